@@ -1,0 +1,184 @@
+"""moegen bench: whole-layer time per token count against the memory roofline, on this GPU.
+
+Method (DESIGN.md): the device bandwidth is measured in the same run (a large device-to-device
+copy, bytes read + written over time). A CUDA graph holds L >= 4 layers with distinct weights,
+so no layer's weights sit in L2 from the previous one; the median of many replays over L is the
+time per layer. The floor is the bytes that must be read: the distinct experts the routing hit,
+the router, the shared expert, and the activations in and out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .build import render_all, write_dir
+from .plan import Plan, make_plan
+from .runtime import Layer, _driver, _ok, load
+from .spec import load_spec
+from .weights import expected
+
+REPLAYS = 50
+
+
+class _Timer:
+    def __init__(self) -> None:
+        drv = _driver()
+        self.drv = drv
+        self.stream = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+        self.start = _ok(drv.cuEventCreate(0), "event")
+        self.stop = _ok(drv.cuEventCreate(0), "event")
+
+    def median_ms(self, fn: Any, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            _ok(self.drv.cuEventRecord(self.start, self.stream), "record")
+            fn()
+            _ok(self.drv.cuEventRecord(self.stop, self.stream), "record")
+            _ok(self.drv.cuEventSynchronize(self.stop), "sync")
+            times.append(_ok(self.drv.cuEventElapsedTime(self.start, self.stop), "elapsed"))
+        return statistics.median(times)
+
+    def graph(self, body: Any) -> Any:
+        drv = self.drv
+        _ok(drv.cuStreamBeginCapture(self.stream, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "begin capture")
+        body(int(self.stream))
+        g = _ok(drv.cuStreamEndCapture(self.stream), "end capture")
+        return _ok(drv.cuGraphInstantiate(g, 0), "instantiate")
+
+    def replay(self, exe: Any) -> None:
+        _ok(self.drv.cuGraphLaunch(exe, self.stream), "graph launch")
+
+
+def copy_bandwidth(timer: _Timer, device: Any, nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    a, b = device.allocate(nbytes), device.allocate(nbytes)
+    drv = timer.drv
+
+    def copy() -> None:
+        _ok(drv.cuMemcpyDtoDAsync(int(b.handle), int(a.handle), nbytes, timer.stream), "copy")
+
+    copy()
+    ms = timer.median_ms(copy, 20)
+    a.close()
+    b.close()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
+    try:
+        import torch
+
+        return {k: (torch.randn(s, device="cuda") / math.sqrt(s[-1])).to(torch.bfloat16)
+                for k, s in expected(plan).items()}
+    except ImportError:
+        import ml_dtypes
+
+        return {k: (rng.standard_normal(s, np.float32) / math.sqrt(s[-1])).astype(ml_dtypes.bfloat16)
+                for k, s in expected(plan).items()}
+
+
+def _random_x(plan: Plan, n: int, rng: np.random.Generator) -> Any:
+    try:
+        import torch
+
+        return torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+    except ImportError as exc:
+        raise RuntimeError("moegen bench makes its device inputs with PyTorch or CuPy") from exc
+
+
+def floor_bytes(plan: Plan, n: int, distinct_experts: int) -> int:
+    """Bytes a layer call must move: hit experts, router, shared expert, x in and out."""
+    h, i, si = plan.hidden, plan.inter, plan.shared_inter
+    experts = distinct_experts * 3 * h * i * 2
+    router = (plan.experts + int(plan.shared_gate)) * h * 2
+    shared = 3 * h * si * 2
+    return experts + router + shared + 2 * n * h * 2
+
+
+def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, json_path: str | None = None,
+              compare: bool = False, stages: bool = False, out_root: str = "generated") -> int:
+    from cuda.core import Device
+
+    spec = load_spec(spec_path)
+    plan = make_plan(spec)
+    layers = max(4, layers)
+    gen = Path(out_root) / spec.name
+    if not (gen / "launcher.py").is_file():
+        gen = Path(tempfile.mkdtemp()) / spec.name
+        write_dir(gen, render_all(spec, plan))
+    device = Device()
+    device.set_current()
+    rng = np.random.default_rng()
+    stack: list[Layer] = [load(gen, _random_weights(plan, rng), device=device) for _ in range(layers)]
+    timer = _Timer()
+    bw = copy_bandwidth(timer, device)
+    props = device.properties
+    tokens = tokens or [b.max_tokens for b in plan.buckets]
+    rows = []
+    for n in tokens:
+        xs = [_random_x(plan, n, rng) for _ in stack]
+        exe = timer.graph(lambda s: [layer(x, stream=s) for layer, x in zip(stack, xs)])
+        timer.replay(exe)
+        ms = timer.median_ms(lambda: timer.replay(exe), REPLAYS) / layers
+        distinct = [len(np.unique(layer.routing(n)[0])) for layer in stack]
+        need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
+        row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
+               "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
+        if stages:
+            row["stages_us"] = _stage_times(timer, stack[0], xs[0], n)
+        rows.append(row)
+    result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
+              "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
+              "rows": rows}
+    _print(result)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _stage_times(timer: _Timer, layer: Layer, x: Any, n: int) -> dict[str, float]:
+    """Each kernel of the bucket alone, replayed from a graph (its inputs left by a full call)."""
+    from .arrays import view
+
+    layer(x, stream=int(timer.stream))
+    out: dict[str, float] = {}
+    xv = view(x, "x")
+    bi = layer._bucket_of[n]
+    for li, ln in enumerate(layer.plan.buckets[bi].launches):
+        def one(s: int, li: int = li, ln: Any = ln) -> None:
+            from cuda.core import LaunchConfig, launch
+
+            cfg = LaunchConfig(grid=layer._config(bi, li, n).grid, block=ln.block)
+            launch(layer._streams.get(s) or _Stream(s), cfg, layer._kernels[ln.kernel],
+                   *layer._args(ln.kernel, n, xv.ptr, layer.workspace.ptr("out")))
+        exe = timer.graph(one)
+        timer.replay(exe)
+        out[layer.plan.kernel(ln.kernel).family] = timer.median_ms(lambda: timer.replay(exe), REPLAYS) * 1e3
+    return out
+
+
+class _Stream:
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.h)
+
+
+def _print(r: dict) -> None:
+    print(f"{r['spec']} on {r['gpu']} ({r['sm_count']} SMs), {r['date']}: copy bandwidth "
+          f"{r['copy_bandwidth_gbps']:.0f} GB/s, {r['layers_per_replay']} layers per graph replay")
+    print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9}  stages (us)")
+    for row in r["rows"]:
+        st = " ".join(f"{k}={v:.1f}" for k, v in row.get("stages_us", {}).items())
+        print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
+              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%}  {st}")

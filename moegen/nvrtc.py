@@ -1,0 +1,172 @@
+"""NVRTC through cuda.core: options, compile, the content-addressed cubin cache, located errors.
+
+The cache key covers everything that can change a binary: the rendered source, the options,
+the arch, the NVRTC version and moegen's version (the source has no #include, so there are no
+headers to hash). Entries are written to a temporary directory and renamed into place; a file
+lock with a re-check after acquiring it keeps concurrent builds from compiling twice; an entry
+whose cubin does not match its recorded hash is rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from . import __version__
+
+STD = "c++17"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected generated code; the message locates it in the generated file."""
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    registers: int
+    smem_bytes: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    log: str
+    resources: dict[str, KernelResources]
+    cached: bool
+    key: str
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"NVRTC is not usable: {err}")
+    return f"{major}.{minor}"
+
+
+def options_of(arch: str) -> dict[str, object]:
+    return {"arch": arch, "std": STD, "ptxas_options": ["-v"]}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOEGEN_CACHE", Path.home() / ".cache" / "moegen"))
+
+
+def cache_key(source: str, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, json.dumps(options_of(arch), sort_keys=True), arch, nvrtc_version(), __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$")
+
+
+def parse_resources(log: str) -> dict[str, KernelResources]:
+    """Per-kernel registers, shared memory, stack and spills from ptxas's -v report."""
+    out: dict[str, KernelResources] = {}
+    name, stack = None, (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            name, stack = m.group(1), (0, 0, 0)
+        elif (m := _STACK.search(line)) and name:
+            stack = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+        elif (m := _USED.search(line.strip())) and name:
+            out[name] = KernelResources(
+                registers=int(m.group(1)), smem_bytes=int(m.group(2) or 0),
+                stack_bytes=stack[0], spill_stores=stack[1], spill_loads=stack[2],
+            )
+            name = None
+    return out
+
+
+def _locate(log: str, source: str, display: str) -> str:
+    """The first error of the log with a numbered excerpt of the generated file around it."""
+    lines = source.splitlines()
+    m = re.search(r"\((\d+)\): (?:catastrophic )?error", log)
+    if not m:
+        return ""
+    n = int(m.group(1))
+    lo, hi = max(1, n - 3), min(len(lines), n + 3)
+    excerpt = "\n".join(f"{'>' if i == n else ' '} {i:5d} | {lines[i - 1]}" for i in range(lo, hi + 1))
+    return f"{display}:{n}:\n{excerpt}\n"
+
+
+def _compile_uncached(source: str, arch: str, display: str) -> tuple[bytes, str]:
+    from cuda.core import Program, ProgramOptions
+
+    log = io.StringIO()
+    opts = ProgramOptions(name=os.path.basename(display), **options_of(arch))
+    try:
+        obj = Program(source, code_type="c++", options=opts).compile("cubin", logs=log)
+    except Exception as exc:  # cuda.core raises NVRTCError with the log in its message
+        text = str(exc) + "\n" + log.getvalue()
+        raise CompileError(
+            f"NVRTC failed to compile {display} for {arch}\n{_locate(text, source, display)}\nfull log:\n{text}"
+        ) from None
+    return bytes(obj.code), log.getvalue()
+
+
+def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: bool = True) -> Compiled:
+    """Compile (or fetch from the cache) the cubin of `source` for `arch`."""
+    key = cache_key(source, arch)
+    if not use_cache:
+        cubin, log = _compile_uncached(source, arch, display)
+        return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
+    root = cache_dir()
+    entry = root / key
+    hit = _read_entry(entry)
+    if hit:
+        return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{key}.lock")):
+        hit = _read_entry(entry)  # another process may have built it while we waited
+        if hit:
+            return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
+        cubin, log = _compile_uncached(source, arch, display)
+        _write_entry(root, entry, cubin, log)
+    return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
+
+
+def _read_entry(entry: Path) -> tuple[bytes, str] | None:
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        cubin = (entry / "layer.cubin").read_bytes()
+    except (OSError, ValueError):
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)  # corrupt or partial: rebuild
+        return None
+    if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    return cubin, meta.get("log", "")
+
+
+def _write_entry(root: Path, entry: Path, cubin: bytes, log: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        (tmp / "layer.cubin").write_bytes(cubin)
+        meta = {"cubin_sha256": hashlib.sha256(cubin).hexdigest(), "log": log, "moegen": __version__}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

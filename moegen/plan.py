@@ -1,0 +1,369 @@
+"""Plan: how to compute a Spec on a GPU. Pure Python, no CUDA.
+
+Every decision the kernels need (tiles, splits, token groups, grids per token-count bucket,
+workspace, weight packing) is made here, from the spec and the target's properties, and written
+down as plain data. Templates only substitute these values; the launcher only replays them.
+
+The analytic model (decode is memory-bound):
+- a weight byte is read once per call, so the work is split into 16-row weight tiles, one per
+  block; there must be several blocks per multiprocessor to keep enough loads in flight;
+- tokens that share an expert share its tile: a block applies the tile to up to 8*NT tokens per
+  pass, NT sized from the expected tokens per expert in the bucket (more passes re-read the tile
+  from L2, not from memory);
+- the router matrix is small (E x H), so its K is split over KSPLIT blocks per tile until the
+  tiles cover the multiprocessors; the route kernel adds the partial sums in a fixed order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .spec import Select, Spec
+
+WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
+STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
+MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
+COMBINE_THREADS = 128
+PACK_THREADS = 256
+MAX_NT = 4  # token groups of 8 per pass: 4 keeps the accumulators in registers
+
+
+class PlanError(ValueError):
+    """The spec is valid but this target cannot run it; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class Target:
+    arch: str
+    sm_count: int
+    smem_per_block: int
+    l2_bytes: int
+
+
+# Properties of the chips each arch is planned for (H100/H200 SXM: 132 multiprocessors).
+TARGETS = {"sm_90a": Target(arch="sm_90a", sm_count=132, smem_per_block=227 * 1024, l2_bytes=50 << 20)}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    family: str
+    threads: int
+    targs: tuple[str, ...]  # template arguments of the family's body, in order
+    params: tuple[str, ...]  # the extern "C" signature
+    args: tuple[str, ...]  # what the wrapper passes to the body
+    arg_keys: tuple[str, ...]  # how the launcher fills each parameter (buffer name, "x", "n", ...)
+    body: str
+    comment: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: tuple[int | str, int]  # "n" = the call's token count
+    block: int
+    pdl: bool  # programmatic dependent launch on the previous kernel
+
+
+@dataclass(frozen=True)
+class Bucket:
+    max_tokens: int
+    launches: tuple[Launch, ...]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    dtype: str  # numpy dtype name; bf16 is stored as uint16 bits
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A device tensor in the kernels' tile layout, made by moegen.weights.pack_tiles."""
+
+    name: str
+    sources: tuple[str, ...]  # Hugging Face tensor names: MATS matrices per tile, or rows concatenated
+    mats: int
+    experts: int  # 0: not per expert
+    rows: int  # rows of each source matrix (per expert)
+    rows_padded: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Assert:
+    expr: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: str
+    hidden: int
+    experts: int
+    top_k: int
+    inter: int
+    shared_inter: int
+    shared_gate: bool
+    rows_pad: int
+    ksplit: int
+    max_tokens: int
+    slots_max: int
+    routing_desc: str
+    expert_bytes: int
+    kernels: tuple[Kernel, ...]
+    buckets: tuple[Bucket, ...]
+    workspace: tuple[Buffer, ...]
+    weights: tuple[PackedWeight, ...]
+    asserts: tuple[Assert, ...]
+    kernel_order: tuple[str, ...] = field(default=("router", "route", "gate_up", "down", "combine"))
+
+    def kernel(self, name: str) -> Kernel:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(name)
+
+
+def _buckets(spec: Spec) -> tuple[int, ...]:
+    if spec.buckets is not None:
+        return spec.buckets
+    out, b = [], 1
+    while b < spec.max_tokens:
+        out.append(b)
+        b *= 2
+    return (*out, spec.max_tokens)
+
+
+def _nt(tokens: int) -> int:
+    """Token groups of 8 per pass for up to `tokens` tokens sharing one weight tile."""
+    return max(1, min(MAX_NT, math.ceil(tokens / 8)))
+
+
+def _depth(mats: int, nt: int) -> int:
+    """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
+    chunk_bytes = (mats * 2 + nt) * 512  # per warp: A fragments of MATS matrices, B of NT token groups
+    return max(2, min(MAX_DEPTH, STATIC_SMEM // (WARPS * chunk_bytes)))
+
+
+def _ksplit(tiles: int, kc: int, target: Target) -> int:
+    """Smallest split of the router's K that gives every multiprocessor a block."""
+    best = 1
+    for s in range(1, kc + 1):
+        if kc % s or kc // s < WARPS:
+            continue
+        best = s
+        if tiles * s >= target.sm_count:
+            break
+    return best
+
+
+def _routing_desc(spec: Spec) -> str:
+    r, e = spec.routing, spec.experts
+    logits = f"{spec.router.logits_dtype} logits"
+    if r.select is Select.scores:
+        s = f"softmax over {e.count} experts ({logits}) -> top-{e.top_k}"
+    else:
+        s = f"top-{e.top_k} of {e.count} raw logits ({logits}) -> softmax over the {e.top_k}"
+    if r.renormalize:
+        s += " -> renormalize"
+    if r.routed_scaling_factor != 1.0:
+        s += f" -> x{r.routed_scaling_factor:g}"
+    return s
+
+
+def _check_shapes(spec: Spec) -> None:
+    checks = [("hidden_size", spec.hidden_size), ("experts.intermediate_size", spec.experts.intermediate_size)]
+    if spec.shared_expert:
+        checks.append(("shared_expert.intermediate_size", spec.shared_expert.intermediate_size))
+    for name, v in checks:
+        if v % 32:
+            raise PlanError(f"{name}={v}: the bf16 kernels need a multiple of 32")
+    if spec.experts.top_k > 32:
+        raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
+
+
+def make_plan(spec: Spec, target: Target | None = None) -> Plan:
+    target = target or TARGETS[spec.arch]
+    _check_shapes(spec)
+    h, e, k, i = spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size
+    sh = spec.shared_expert
+    si = sh.intermediate_size if sh else 0
+    gated = bool(sh and sh.gate == "sigmoid")
+    nmax = spec.max_tokens
+    rows_pad = math.ceil((e + int(gated)) / 16) * 16
+    kc_h, kc_i, kc_s = h // 32, i // 32, si // 32
+    ksplit = _ksplit(rows_pad // 16, kc_h, target)
+    slots_max = min(e, nmax * k)
+    route_threads = min(1024, 32 * nmax)
+    suffix = f"bf16_{spec.arch}"
+
+    kernels: dict[str, Kernel] = {}
+
+    def router(nt: int) -> str:
+        name = f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}_{suffix}"
+        kernels.setdefault(name, Kernel(
+            name, "router", WARPS * 32,
+            targs=tuple(map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax))),
+            params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* __restrict__ logits", "int n"),
+            args=("wr", "x", "logits", "n"), arg_keys=("w.router", "x", "ws.logits", "n"),
+            body="router_logits_body",
+            comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass",
+        ))
+        return name
+
+    route_name = (f"moe_route_e{e}_k{k}_{'logits' if spec.routing.select is Select.logits else 'softmax'}"
+                  f"{'_renorm' if spec.routing.renormalize else ''}{'_sgate' if gated else ''}"
+                  f"_{spec.router.logits_dtype}_ks{ksplit}_n{nmax}_{spec.arch}")
+    kernels[route_name] = Kernel(
+        route_name, "route", route_threads,
+        targs=(str(e), str(rows_pad), str(k), str(ksplit), str(nmax),
+               _b(spec.routing.select is Select.logits), _b(spec.routing.renormalize),
+               _b(spec.router.logits_dtype == "bf16"), _b(gated), str(route_threads)),
+        params=("const float* __restrict__ logits", "int* __restrict__ topk_ids", "float* __restrict__ topk_w",
+                "int* __restrict__ pair_pos", "float* __restrict__ gate_s", "int* __restrict__ num_slots",
+                "int* __restrict__ slot_expert", "int* __restrict__ slot_begin", "int* __restrict__ slot_token",
+                "int n"),
+        args=("logits", "topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots", "slot_expert", "slot_begin",
+              "slot_token", f"{spec.routing.routed_scaling_factor!r}f", "n"),
+        arg_keys=("ws.logits", "ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.num_slots",
+                  "ws.slot_expert", "ws.slot_begin", "ws.slot_token", "n"),
+        body="route_body", comment=f"route: {_routing_desc(spec)}; tokens grouped by expert",
+    )
+
+    def gate_up(nt: int, nts: int) -> str:
+        name = f"moe_gate_up_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_silu_{suffix}"
+        kernels.setdefault(name, Kernel(
+            name, "gate_up", WARPS * 32,
+            targs=tuple(map(str, (kc_h, nt, nts, WARPS, _depth(2, max(nt, nts)), i // 16, si // 16, i, max(si, 1)))),
+            params=("const uint4* __restrict__ w13", "const uint4* __restrict__ ws13", "const bf16_t* __restrict__ x",
+                    "const int* __restrict__ num_slots", "const int* __restrict__ slot_expert",
+                    "const int* __restrict__ slot_begin", "const int* __restrict__ slot_token",
+                    "bf16_t* __restrict__ act", "bf16_t* __restrict__ act_s", "int n"),
+            args=("w13", "ws13", "x", "num_slots", "slot_expert", "slot_begin", "slot_token", "act", "act_s", "n"),
+            arg_keys=("w.w13", "w.ws13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token",
+                      "ws.act", "ws.act_s", "n"),
+            body="gate_up_body",
+            comment=f"gate/up + SiLU: expert slots x {i // 16} tiles" + (f" + shared {si // 16} tiles" if si else ""),
+        ))
+        return name
+
+    def down(nt: int, nts: int) -> str:
+        name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
+        kernels.setdefault(name, Kernel(
+            name, "down", WARPS * 32,
+            targs=tuple(map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h))),
+            params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
+                    "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
+                    "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
+                    "float* __restrict__ y", "float* __restrict__ ys", "int n"),
+            args=("w2", "ws2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys", "n"),
+            arg_keys=("w.w2", "w.ws2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
+                      "ws.y", "ws.ys", "n"),
+            body="down_body",
+            comment=f"down: expert slots x {h // 16} tiles of {i}" + (f" + shared ({si})" if si else ""),
+        ))
+        return name
+
+    combine_name = f"moe_combine_h{h}_k{k}" + ("_shared" if sh else "") + ("_sgate" if gated else "") + f"_{spec.arch}"
+    kernels[combine_name] = Kernel(
+        combine_name, "combine", COMBINE_THREADS,
+        targs=(str(h), str(k), _b(bool(sh)), _b(gated)),
+        params=("const float* __restrict__ y", "const float* __restrict__ ys", "const float* __restrict__ topk_w",
+                "const int* __restrict__ pair_pos", "const float* __restrict__ gate_s", "bf16_t* __restrict__ out",
+                "int n"),
+        args=("y", "ys", "topk_w", "pair_pos", "gate_s", "out", "n"),
+        arg_keys=("ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "out", "n"),
+        body="combine_body", comment="weighted sum of each token's expert outputs in choice order (+ shared)",
+    )
+
+    for mats in (1, 2):
+        name = f"moe_pack_tiles_m{mats}_{spec.arch}"
+        kernels[name] = Kernel(
+            name, "pack", PACK_THREADS, targs=(str(mats),),
+            params=("const bf16_t* __restrict__ src0", "const bf16_t* __restrict__ src1", "uint4* __restrict__ dst",
+                    "int experts", "int rows", "int rows_pad", "int k"),
+            args=("src0", "src1", "dst", "experts", "rows", "rows_pad", "k"),
+            arg_keys=("src0", "src1", "dst", "experts", "rows", "rows_pad", "k"),
+            body="pack_body", comment=f"weight packing, {mats} matrices per tile (runs once, at load)",
+        )
+
+    buckets = []
+    for nb in _buckets(spec):
+        slots = min(e, nb * k)
+        nt_dense = _nt(nb)
+        nt_routed = _nt(min(nb, 2 * math.ceil(nb * k / e)))
+        combine_grid = math.ceil(h / (8 * COMBINE_THREADS))
+        launches = (
+            Launch(router(nt_dense), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=False),
+            Launch(route_name, (1, 1), route_threads, pdl=True),
+            Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
+            Launch(down(nt_routed, nt_dense), (slots * (h // 16) + (h // 16 if si else 0), 1), WARPS * 32, pdl=True),
+            Launch(combine_name, ("n", combine_grid), COMBINE_THREADS, pdl=True),
+        )
+        buckets.append(Bucket(nb, launches))
+
+    workspace = (
+        Buffer("logits", "float32", (ksplit, nmax, rows_pad)),
+        Buffer("topk_ids", "int32", (nmax, k)),
+        Buffer("topk_w", "float32", (nmax, k)),
+        Buffer("pair_pos", "int32", (nmax, k)),
+        Buffer("gate_s", "float32", (nmax,)),
+        Buffer("num_slots", "int32", (4,)),
+        Buffer("slot_expert", "int32", (slots_max,)),
+        Buffer("slot_begin", "int32", (slots_max + 1,)),
+        Buffer("slot_token", "int32", (nmax * k,)),
+        Buffer("act", "uint16", (nmax * k, i)),
+        Buffer("act_s", "uint16", (nmax, max(si, 1))),
+        Buffer("y", "float32", (nmax * k, h)),
+        Buffer("ys", "float32", (nmax, h)),
+        Buffer("out", "uint16", (nmax, h)),
+    )
+    router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
+    weights = [
+        PackedWeight("router", router_sources, 1, 0, e + int(gated), rows_pad, h),
+        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, e, i, i, h),
+        PackedWeight("w2", ("experts.down_proj",), 1, e, h, h, i),
+    ]
+    if sh:
+        weights += [
+            PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, 0, si, si, h),
+            PackedWeight("ws2", ("shared_expert.down_proj",), 1, 0, h, h, si),
+        ]
+    asserts = (
+        Assert(f"{h} % 32 == 0", "hidden size: whole 32-wide K chunks"),
+        Assert(f"{i} % 32 == 0", "expert width: whole 16-row tiles and 32-wide K chunks"),
+        Assert(f"{si} % 32 == 0", "shared expert width: whole tiles and chunks"),
+        Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),
+        Assert(f"({h} / 32) % {ksplit} == 0 && ({h} / 32) / {ksplit} >= {WARPS}", "router K split into whole chunks"),
+        Assert(f"{k} <= 32", "route: one choice per lane"),
+        Assert(f"{h} % ({8}) == 0", "combine: 8 outputs per thread"),
+    )
+    return Plan(
+        arch=spec.arch, hidden=h, experts=e, top_k=k, inter=i, shared_inter=si, shared_gate=gated,
+        rows_pad=rows_pad, ksplit=ksplit, max_tokens=nmax, slots_max=slots_max,
+        routing_desc=_routing_desc(spec), expert_bytes=3 * h * i * 2,
+        kernels=tuple(kernels.values()), buckets=tuple(buckets), workspace=workspace,
+        weights=tuple(weights), asserts=asserts,
+    )
+
+
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def plan_from_dict(d: dict) -> Plan:
+    """Rebuild a Plan from dataclasses.asdict output (what the generated launcher carries)."""
+    d = dict(d)
+    d["kernels"] = tuple(Kernel(**{k: tuple(v) if isinstance(v, list) else v for k, v in x.items()})
+                         for x in d["kernels"])
+    d["buckets"] = tuple(Bucket(b["max_tokens"], tuple(Launch(x["kernel"], tuple(x["grid"]), x["block"], x["pdl"])
+                                                      for x in b["launches"])) for b in d["buckets"])
+    d["workspace"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["workspace"])
+    d["weights"] = tuple(PackedWeight(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()})
+                         for w in d["weights"])
+    d["asserts"] = tuple(Assert(**a) for a in d["asserts"])
+    d["kernel_order"] = tuple(d["kernel_order"])
+    return Plan(**d)

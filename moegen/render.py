@@ -1,0 +1,60 @@
+"""Rendering: the one Jinja environment, and the files a spec turns into."""
+
+from __future__ import annotations
+
+import dataclasses
+import pprint
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .plan import Plan
+from .spec import Spec
+
+CUDA_FILE = "layer.cu"
+LAUNCHER_FILE = "launcher.py"
+
+
+def template_dir() -> Path:
+    """templates/ beside the package in a source tree; moegen/templates once installed."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "templates", here.parent / "templates"):
+        if (cand / "layer.cu.j2").is_file():
+            return cand
+    raise FileNotFoundError(f"moegen templates not found beside {here}")
+
+
+def _env() -> jinja2.Environment:
+    root = template_dir()
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,  # a missing plan field is an error, never an empty string
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+_ENV = None
+
+
+def env() -> jinja2.Environment:
+    global _ENV
+    if _ENV is None:
+        _ENV = _env()
+    return _ENV
+
+
+def render_cuda(spec: Spec, plan: Plan) -> str:
+    return env().get_template("layer.cu.j2").render(
+        spec=spec, plan=plan, version=__version__, spec_digest=spec.digest()
+    )
+
+
+def render_launcher(spec: Spec, plan: Plan) -> str:
+    return env().get_template("launcher.py.j2").render(
+        spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(),
+        plan_literal=pprint.pformat(dataclasses.asdict(plan), width=110, sort_dicts=True),
+    )

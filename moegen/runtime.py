@@ -1,0 +1,294 @@
+"""Runtime: load a generated layer's cubin, own its weights and workspace, run it on a stream.
+
+forward() allocates nothing, never synchronizes and reads no device value on the host: the token
+count picks the bucket, every pointer is known, so a call can be captured in a CUDA graph and
+replayed. No framework is imported: arrays come in through DLPack / the CUDA Array Interface.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import weights as W
+from .arrays import ArrayError, DeviceArray, View, check, view
+from .plan import Plan, plan_from_dict
+
+ALIGN = 256
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _ok(result: Any, what: str) -> Any:
+    err = result[0] if isinstance(result, tuple) else result
+    drv = _driver()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA error in {what}: {err}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
+class _StreamRef:
+    """Adapts a raw stream handle to cuda.core's __cuda_stream__ protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def stream_handle(stream: Any) -> int:
+    """A raw CUstream from None (the legacy default stream), an int, or any __cuda_stream__ object."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        proto = stream.__cuda_stream__
+        return int((proto() if callable(proto) else proto)[1])
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream before it spoke __cuda_stream__
+        return int(stream.cuda_stream)
+    raise ArrayError(f"stream: a {type(stream).__name__} is not a CUDA stream (expected __cuda_stream__ or a handle)")
+
+
+class Memory:
+    """One device allocation carved into named, 256-byte aligned buffers."""
+
+    def __init__(self, device: Any, sizes: Mapping[str, int]) -> None:
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, size in sizes.items():
+            self.offsets[name] = total
+            total += -(-max(size, 1) // ALIGN) * ALIGN
+        self.buffer = device.allocate(total)
+        self.base = int(self.buffer.handle)
+        self.size = total
+
+    def ptr(self, name: str) -> int:
+        return self.base + self.offsets[name]
+
+
+def to_host(obj: Any, name: str = "array") -> np.ndarray:
+    """A NumPy copy of any host or device array (bf16 arrives as ml_dtypes.bfloat16)."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    v = view(obj, name)
+    dtype = np.dtype(W.BF16) if v.dtype == "bfloat16" else np.dtype(v.dtype)
+    out = np.empty(v.shape, dtype)
+    if v.strides is not None and v.strides != tuple(out.strides[i] // out.itemsize for i in range(out.ndim)):
+        raise ArrayError(f"{name}: give weights contiguous (strides {list(v.strides)})")
+    if v.on_device:
+        _ok(_driver().cuMemcpyDtoH(out.ctypes.data, v.ptr, out.nbytes), f"copying {name} to the host")
+    else:
+        import ctypes
+
+        ctypes.memmove(out.ctypes.data, v.ptr, out.nbytes)
+    return out
+
+
+class Layer:
+    """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
+
+    def __init__(self, plan: Plan, cubin: bytes, kernel_names: list[str], device: Any = None) -> None:
+        from cuda.core import Device, ObjectCode
+
+        self.plan = plan
+        self.device = device if device is not None else Device()
+        self.device.set_current()
+        self.device_id = int(self.device.device_id)
+        module = ObjectCode.from_cubin(cubin)
+        self._kernels = {name: module.get_kernel(name) for name in kernel_names}
+        sizes = {b.name: int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in plan.workspace}
+        self.workspace = Memory(self.device, sizes)
+        self._weights: Memory | None = None
+        self._streams: dict[int, _StreamRef] = {}
+        self._configs: dict[tuple[int, int], Any] = {}
+        self._bucket_of = [0] * (plan.max_tokens + 1)
+        lo = 1
+        for bi, b in enumerate(plan.buckets):
+            for n in range(lo, b.max_tokens + 1):
+                self._bucket_of[n] = bi
+            lo = b.max_tokens + 1
+        self._outs = {}
+
+    # ---- weights ----
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        """Copy the layer's weights to the device and pack them into the kernels' layout there.
+
+        Names (Hugging Face layout): `gate.weight` [E, H]; `experts.{gate,up}_proj` [E, I, H] and
+        `experts.down_proj` [E, H, I], or per expert `experts.<e>.gate_proj` [I, H], ...; where
+        the spec has them `shared_expert.{gate,up,down}_proj` and `shared_expert_gate.weight`
+        [1, H]. Host (NumPy: bfloat16 or float, rounded to bf16) or device (DLPack / CUDA Array
+        Interface: bfloat16, contiguous) arrays. Synchronizes: this is set-up, not the hot path.
+        """
+        plan = self.plan
+        pieces = W.collect(weights, plan, self._describe)
+        # Sources are staged contiguously; a concatenated matrix (router + gate row) is one buffer.
+        staged: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        for pw in plan.weights:
+            groups = [pw.sources] if (pw.mats == 1 and len(pw.sources) > 1) else [(s,) for s in pw.sources]
+            for grp in groups:
+                for src in grp:
+                    staged[src] = grp[0]
+                sizes[grp[0]] = sum(int(np.prod(W.expected(plan)[src])) * 2 for src in grp)
+        stage = Memory(self.device, sizes)
+        fill: dict[str, int] = dict.fromkeys(sizes, 0)
+        for pw in plan.weights:
+            for src in pw.sources:
+                for key, obj in pieces[src]:
+                    dst = stage.ptr(staged[src]) + fill[staged[src]]
+                    fill[staged[src]] += self._copy_in(obj, key, dst)
+        packed = Memory(self.device, {pw.name: max(pw.experts, 1) * pw.rows_padded * pw.cols * 2 * pw.mats
+                                      for pw in plan.weights})
+        for pw in plan.weights:
+            self._pack(pw, stage, staged, packed)
+        _ok(_driver().cuCtxSynchronize(), "packing weights")
+        stage.buffer.close()
+        self._weights = packed
+
+    def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:
+        if isinstance(obj, np.ndarray):
+            return obj.shape, obj.dtype.name, False
+        v = view(obj, key)
+        return v.shape, v.dtype, v.on_device
+
+    def _copy_in(self, obj: Any, key: str, dst: int) -> int:
+        """Copy one weight tensor (as bf16) to device address dst; returns its size in bytes."""
+        drv = _driver()
+        if isinstance(obj, np.ndarray):
+            bits = W.bf16_bits(obj, key)
+            _ok(drv.cuMemcpyHtoD(dst, bits.ctypes.data, bits.nbytes), f"copying {key}")
+            return bits.nbytes
+        v = view(obj, key)
+        check(v, key, v.shape, "bfloat16", self.device_id)
+        nbytes = int(np.prod(v.shape)) * 2
+        _ok(drv.cuMemcpyDtoD(dst, v.ptr, nbytes), f"copying {key}")
+        return nbytes
+
+    def _pack(self, pw: Any, stage: Memory, staged: dict[str, str], packed: Memory) -> None:
+        from cuda.core import LaunchConfig, launch
+
+        units = max(pw.experts, 1) * (pw.rows_padded // 16) * (pw.cols // 32) * pw.mats * 64
+        kernel = self._kernels[f"moe_pack_tiles_m{pw.mats}_{self.plan.arch}"]
+        src1 = stage.ptr(staged[pw.sources[1]]) if pw.mats == 2 else 0
+        cfg = LaunchConfig(grid=min(-(-units // 256), 65535), block=256)
+        launch(_StreamRef(0), cfg, kernel, np.uint64(stage.ptr(staged[pw.sources[0]])), np.uint64(src1),
+               np.uint64(packed.ptr(pw.name)), np.int32(max(pw.experts, 1)), np.int32(pw.rows),
+               np.int32(pw.rows_padded), np.int32(pw.cols))
+
+    # ---- forward ----
+    def __call__(self, x: Any, out: Any = None, stream: Any = None) -> Any:
+        return self.forward(x, out, stream)
+
+    def forward(self, x: Any, out: Any = None, stream: Any = None) -> Any:
+        """out[N, H] = MoE(x[N, H]) for bf16 x on this device, enqueued on `stream`."""
+        if self._weights is None:
+            raise RuntimeError("the layer has no weights: call load_weights first")
+        xv = view(x, "x")
+        n = xv.shape[0] if len(xv.shape) == 2 else -1
+        if not 1 <= n <= self.plan.max_tokens:
+            raise ArrayError(f"x: shape {list(xv.shape)}, expected [N, {self.plan.hidden}] with 1 <= N <= "
+                             f"{self.plan.max_tokens} (the spec's max_tokens)")
+        check(xv, "x", (n, self.plan.hidden), "bfloat16", self.device_id)
+        if out is None:
+            result = self._outs.get(n)
+            if result is None:
+                result = self._outs[n] = DeviceArray(self.workspace.ptr("out"), (n, self.plan.hidden),
+                                                     self.device_id, self)
+            out_ptr = result.ptr
+        else:
+            ov = view(out, "out")
+            check(ov, "out", (n, self.plan.hidden), "bfloat16", self.device_id)
+            out_ptr, result = ov.ptr, out
+        self._launch(n, xv.ptr, out_ptr, stream_handle(stream))
+        return result
+
+    def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int) -> None:
+        from cuda.core import launch
+
+        s = self._streams.get(stream)
+        if s is None:
+            s = self._streams[stream] = _StreamRef(stream)
+        bi = self._bucket_of[n]
+        for li, ln in enumerate(self.plan.buckets[bi].launches):
+            launch(s, self._config(bi, li, n), self._kernels[ln.kernel], *self._args(ln.kernel, n, x_ptr, out_ptr))
+
+    def _config(self, bi: int, li: int, n: int) -> Any:
+        from cuda.core import LaunchConfig
+
+        key = (bi * 16 + li, n)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            ln = self.plan.buckets[bi].launches[li]
+            gx = n if ln.grid[0] == "n" else int(ln.grid[0])
+            cfg = self._configs[key] = LaunchConfig(grid=(gx, int(ln.grid[1])), block=ln.block,
+                                                     programmatic_stream_serialization=ln.pdl)
+        return cfg
+
+    def _args(self, kernel: str, n: int, x_ptr: int, out_ptr: int) -> list[Any]:
+        k = self.plan.kernel(kernel)
+        args: list[Any] = []
+        for key in k.arg_keys:
+            if key == "n":
+                args.append(np.int32(n))
+            elif key == "x":
+                args.append(np.uint64(x_ptr))
+            elif key == "out":
+                args.append(np.uint64(out_ptr))
+            elif key.startswith("ws."):
+                args.append(np.uint64(self.workspace.ptr(key[3:])))
+            elif key.startswith("w."):
+                name = key[2:]
+                has = self._weights is not None and name in self._weights.offsets
+                args.append(np.uint64(self._weights.ptr(name) if has else 0))
+            else:
+                raise AssertionError(f"unknown argument key {key}")
+        return args
+
+    # ---- inspection (synchronizes: for tests and debugging, not for the hot path) ----
+    def routing(self, n: int, stream: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """The last call's routing: expert indices [n, k] int32 and weights [n, k] float32."""
+        _ok(_driver().cuCtxSynchronize(), "synchronizing")
+        k = self.plan.top_k
+        ids = np.empty((n, k), np.int32)
+        w = np.empty((n, k), np.float32)
+        _ok(_driver().cuMemcpyDtoH(ids.ctypes.data, self.workspace.ptr("topk_ids"), ids.nbytes), "reading ids")
+        _ok(_driver().cuMemcpyDtoH(w.ctypes.data, self.workspace.ptr("topk_w"), w.nbytes), "reading weights")
+        return ids, w
+
+
+def load(path: str | Path, weights: Mapping[str, Any] | None = None, device: Any = None) -> Layer:
+    """The layer of a generated directory (e.g. generated/qwen3-30b-a3b), compiled for this GPU."""
+    p = Path(path)
+    launcher = p / "launcher.py"
+    if not launcher.is_file():
+        raise FileNotFoundError(f"{p}: no launcher.py (run `moegen build` on the spec first)")
+    spec = importlib.util.spec_from_file_location(f"moegen_generated_{p.name.replace('-', '_').replace('.', '_')}",
+                                                  launcher)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Layer(weights=weights, device=device)
+
+
+def layer_from_files(cuda_file: Path, plan_data: dict, weights: Mapping[str, Any] | None, device: Any) -> Layer:
+    """What a generated launcher calls: compile (or fetch from the cache) its CUDA, build the layer."""
+    from .nvrtc import compile_cuda
+
+    plan = plan_from_dict(plan_data)
+    compiled = compile_cuda(cuda_file.read_text(), plan.arch, display=str(cuda_file))
+    layer = Layer(plan, compiled.cubin, [k.name for k in plan.kernels], device)
+    if weights is not None:
+        layer.load_weights(weights)
+    return layer
+
+
+__all__ = ["Layer", "load", "View", "to_host"]

@@ -1,0 +1,144 @@
+"""Weights: from Hugging Face tensors to the layouts the kernels read.
+
+The GEMV kernels read each weight matrix as 16-row tiles in tensor-core fragment order
+(see TileGemv in templates/common.cuh.j2): [tile][K/32 chunk][MATS][2 k-steps][32 lanes][8].
+Lane (g, t) of k-step s holds rows g and g+8 and, inside its chunk, columns 8t+4s .. 8t+4s+3,
+as the four registers of an m16n8k16 A fragment: (row g, cols 0-1), (row g+8, cols 0-1),
+(row g, cols 2-3), (row g+8, cols 2-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .plan import PackedWeight, Plan
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class WeightError(ValueError):
+    """A weight tensor is missing or has the wrong shape or dtype; the message names it."""
+
+
+def bf16_bits(a: np.ndarray, name: str) -> np.ndarray:
+    """bfloat16 values as uint16 bits. float32/float64 input is rounded to nearest even."""
+    a = np.asarray(a)
+    if a.dtype == BF16:
+        return np.ascontiguousarray(a).view(np.uint16)
+    if a.dtype in (np.float32, np.float64, np.float16):
+        return np.ascontiguousarray(a.astype(BF16)).view(np.uint16)
+    raise WeightError(f"{name}: dtype {a.dtype} is not a floating type (expected bfloat16)")
+
+
+def pack_tiles(mats: Sequence[np.ndarray], rows_padded: int) -> np.ndarray:
+    """Pack MATS matrices [..., R, K] (bf16 bits) into the tile layout; rows padded with zeros."""
+    lead = mats[0].shape[:-2]
+    r, k = mats[0].shape[-2:]
+    if k % 32 or rows_padded % 16 or rows_padded < r:
+        raise WeightError(f"cannot tile a [{r}, {k}] matrix into {rows_padded} rows of 32-wide chunks")
+    packed = []
+    for m in mats:
+        if m.shape != mats[0].shape:
+            raise WeightError(f"matrices packed together differ in shape: {m.shape} vs {mats[0].shape}")
+        p = np.zeros((*lead, rows_padded, k), np.uint16)
+        p[..., :r, :] = m
+        # rows -> (tile, h, g); cols -> (chunk, t, s, q, jj) with col = 32*chunk + 8t + 4s + 2q + jj
+        p = p.reshape(*lead, rows_padded // 16, 2, 8, k // 32, 4, 2, 2, 2)
+        nl = len(lead)
+        tile, h, g, chunk, t, s, q, jj = range(nl, nl + 8)
+        p = p.transpose(*range(nl), tile, chunk, s, g, t, q, h, jj)
+        packed.append(p.reshape(*lead, rows_padded // 16, k // 32, 2, 32, 8))
+    out = np.stack(packed, axis=len(lead) + 2)  # [..., T, KC, MATS, 2, 32, 8]
+    return np.ascontiguousarray(out)
+
+
+def unpack_tiles(packed: np.ndarray, mats: int, rows: int) -> list[np.ndarray]:
+    """Inverse of pack_tiles: the MATS matrices [..., rows, K]."""
+    lead = packed.shape[:-6]
+    t_, kc = packed.shape[-6:-4]
+    nl = len(lead)
+    out = []
+    for mt in range(mats):
+        p = packed[..., mt, :, :, :].reshape(*lead, t_, kc, 2, 8, 4, 2, 2, 2)
+        tile, chunk, s, g, t, q, h, jj = range(nl, nl + 8)
+        p = p.transpose(*range(nl), tile, h, g, chunk, t, s, q, jj)
+        out.append(np.ascontiguousarray(p.reshape(*lead, t_ * 16, kc * 32)[..., :rows, :]))
+    return out
+
+
+def expected(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape, for every tensor the plan's packed weights are made from."""
+    h, e, i, si = plan.hidden, plan.experts, plan.inter, plan.shared_inter
+    shapes = {"gate.weight": (e, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
+              "experts.down_proj": (e, h, i)}
+    if plan.shared_gate:
+        shapes["shared_expert_gate.weight"] = (1, h)
+    if si:
+        shapes.update({"shared_expert.gate_proj": (si, h), "shared_expert.up_proj": (si, h),
+                       "shared_expert.down_proj": (h, si)})
+    return shapes
+
+
+def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, list[tuple[str, Any]]]:
+    """Check every tensor the plan needs; return, per Hugging Face name, its pieces in order.
+
+    Experts may be given stacked (`experts.gate_proj` [E, I, H]) or one per expert
+    (`experts.0.gate_proj` [I, H], ...). `describe(obj, name)` returns (shape, dtype, on_device).
+    Device tensors must be bfloat16; host tensors may be bfloat16 or float (rounded to bf16).
+    """
+    out: dict[str, list[tuple[str, Any]]] = {}
+    for name, shape in expected(plan).items():
+        if name in weights:
+            pieces, piece_shape = [(name, weights[name])], shape
+        elif name.startswith("experts.") and f"experts.0.{name.split('.', 1)[1]}" in weights:
+            proj = name.split(".", 1)[1]
+            keys = [f"experts.{x}.{proj}" for x in range(plan.experts)]
+            missing = [k for k in keys if k not in weights]
+            if missing:
+                raise WeightError(f"missing weight {missing[0]}: expected {list(shape[1:])} (one per expert)")
+            pieces, piece_shape = [(k, weights[k]) for k in keys], shape[1:]
+        else:
+            alt = f" (or per expert: experts.<e>.{name.split('.', 1)[1]})" if name.startswith("experts.") else ""
+            raise WeightError(f"missing weight {name}: expected {list(shape)} bfloat16{alt}")
+        for key, obj in pieces:
+            got_shape, dtype, on_device = describe(obj, key)
+            if tuple(got_shape) != piece_shape:
+                raise WeightError(f"{key}: shape {list(got_shape)}, expected {list(piece_shape)}")
+            ok = dtype == "bfloat16" or (not on_device and dtype in ("float32", "float64", "float16"))
+            if not ok:
+                raise WeightError(f"{key}: dtype {dtype}, expected bfloat16")
+        out[name] = pieces
+    unknown = sorted(k for k in weights if k not in out and not _is_per_expert(k, plan))
+    if unknown:
+        raise WeightError(f"unexpected weight {unknown[0]}: this layer takes {sorted(out)}")
+    return out
+
+
+def gather(weights: Mapping[str, Any], plan: Plan) -> dict[str, np.ndarray]:
+    """Host version of collect: every source tensor as one bf16-bits NumPy array."""
+    pieces = collect(weights, plan, lambda o, k: (np.asarray(o).shape, np.asarray(o).dtype.name, False))
+    return {name: np.stack([bf16_bits(o, k) for k, o in ps]) if len(ps) > 1 else bf16_bits(ps[0][1], name)
+            for name, ps in pieces.items()}
+
+
+def _is_per_expert(key: str, plan: Plan) -> bool:
+    parts = key.split(".")
+    return len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit() and int(parts[1]) < plan.experts
+
+
+def pack(plan: Plan, sources: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every packed weight of the plan, as uint16 arrays ready to copy to the device."""
+    out = {}
+    for pw in plan.weights:
+        out[pw.name] = _pack_one(pw, sources)
+    return out
+
+
+def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray:
+    if pw.mats == 1 and len(pw.sources) > 1:  # e.g. router rows then the shared-expert gate row
+        return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded)
+    return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded)
