@@ -60,16 +60,16 @@ class _Timer:
 
 def copy_bandwidth(timer: _Timer, device: Any, nbytes: int = 2 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    a, b = device.allocate(nbytes), device.allocate(nbytes)
     drv = timer.drv
+    a, b = _ok(drv.cuMemAlloc(nbytes), "alloc"), _ok(drv.cuMemAlloc(nbytes), "alloc")
 
     def copy() -> None:
-        _ok(drv.cuMemcpyDtoDAsync(int(b.handle), int(a.handle), nbytes, timer.stream), "copy")
+        _ok(drv.cuMemcpyDtoDAsync(b, a, nbytes, timer.stream), "copy")
 
     copy()
     ms = timer.median_ms(copy, 20)
-    a.close()
-    b.close()
+    _ok(drv.cuMemFree(a), "free")
+    _ok(drv.cuMemFree(b), "free")
     return 2 * nbytes / (ms * 1e-3)
 
 

@@ -24,7 +24,6 @@ from .spec import Select, Spec
 WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
-COMBINE_THREADS = 128
 PACK_THREADS = 256
 MAX_NT = 4  # token groups of 8 per pass: 4 keeps the accumulators in registers
 
@@ -118,7 +117,7 @@ class Plan:
     workspace: tuple[Buffer, ...]
     weights: tuple[PackedWeight, ...]
     asserts: tuple[Assert, ...]
-    kernel_order: tuple[str, ...] = field(default=("router", "route", "gate_up", "down", "combine"))
+    kernel_order: tuple[str, ...] = field(default=("router", "route", "gate_up", "down + combine"))
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -254,30 +253,22 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
-            targs=tuple(map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h))),
+            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h, k)), _b(gated)),
             params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
                     "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
                     "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
-                    "float* __restrict__ y", "float* __restrict__ ys", "int n"),
-            args=("w2", "ws2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys", "n"),
+                    "float* y", "float* ys", "const float* __restrict__ topk_w",
+                    "const int* __restrict__ pair_pos", "const float* __restrict__ gate_s", "int* tile_done",
+                    "bf16_t* __restrict__ out", "int n"),
+            args=("w2", "ws2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys", "topk_w",
+                  "pair_pos", "gate_s", "tile_done", "out", "n"),
             arg_keys=("w.w2", "w.ws2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
-                      "ws.y", "ws.ys", "n"),
+                      "ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.tile_done", "out", "n"),
             body="down_body",
-            comment=f"down: expert slots x {h // 16} tiles of {i}" + (f" + shared ({si})" if si else ""),
+            comment=f"down: expert slots x {h // 16} tiles of {i}" + (f" + shared ({si})" if si else "")
+            + "; the last block of each tile writes the weighted sum",
         ))
         return name
-
-    combine_name = f"moe_combine_h{h}_k{k}" + ("_shared" if sh else "") + ("_sgate" if gated else "") + f"_{spec.arch}"
-    kernels[combine_name] = Kernel(
-        combine_name, "combine", COMBINE_THREADS,
-        targs=(str(h), str(k), _b(bool(sh)), _b(gated)),
-        params=("const float* __restrict__ y", "const float* __restrict__ ys", "const float* __restrict__ topk_w",
-                "const int* __restrict__ pair_pos", "const float* __restrict__ gate_s", "bf16_t* __restrict__ out",
-                "int n"),
-        args=("y", "ys", "topk_w", "pair_pos", "gate_s", "out", "n"),
-        arg_keys=("ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "out", "n"),
-        body="combine_body", comment="weighted sum of each token's expert outputs in choice order (+ shared)",
-    )
 
     for mats in (1, 2):
         name = f"moe_pack_tiles_m{mats}_{spec.arch}"
@@ -294,14 +285,14 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     for nb in _buckets(spec):
         slots = min(e, nb * k)
         nt_dense = _nt(nb)
-        nt_routed = _nt(min(nb, 2 * math.ceil(nb * k / e)))
-        combine_grid = math.ceil(h / (8 * COMBINE_THREADS))
+        # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
+        # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
+        nt_routed = nt_dense if si else _nt(min(nb, 2 * math.ceil(nb * k / e)))
         launches = (
             Launch(router(nt_dense), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=False),
             Launch(route_name, (1, 1), route_threads, pdl=True),
             Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
             Launch(down(nt_routed, nt_dense), (slots * (h // 16) + (h // 16 if si else 0), 1), WARPS * 32, pdl=True),
-            Launch(combine_name, ("n", combine_grid), COMBINE_THREADS, pdl=True),
         )
         buckets.append(Bucket(nb, launches))
 
@@ -319,6 +310,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("act_s", "uint16", (nmax, max(si, 1))),
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
+        Buffer("tile_done", "int32", (h // 16,)),  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
@@ -339,7 +331,6 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),
         Assert(f"({h} / 32) % {ksplit} == 0 && ({h} / 32) / {ksplit} >= {WARPS}", "router K split into whole chunks"),
         Assert(f"{k} <= 32", "route: one choice per lane"),
-        Assert(f"{h} % ({8}) == 0", "combine: 8 outputs per thread"),
     )
     return Plan(
         arch=spec.arch, hidden=h, experts=e, top_k=k, inter=i, shared_inter=si, shared_gate=gated,

@@ -68,9 +68,14 @@ class Memory:
         for name, size in sizes.items():
             self.offsets[name] = total
             total += -(-max(size, 1) // ALIGN) * ALIGN
-        self.buffer = device.allocate(total)
-        self.base = int(self.buffer.handle)
+        # Plain cuMemAlloc (what cudaMalloc is): the frameworks' allocators stay out of it.
+        self.base = int(_ok(_driver().cuMemAlloc(total), f"allocating {total} bytes"))
         self.size = total
+
+    def close(self) -> None:
+        if self.base:
+            _ok(_driver().cuMemFree(self.base), "freeing device memory")
+            self.base = 0
 
     def ptr(self, name: str) -> int:
         return self.base + self.offsets[name]
@@ -108,6 +113,8 @@ class Layer:
         self._kernels = {name: module.get_kernel(name) for name in kernel_names}
         sizes = {b.name: int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in plan.workspace}
         self.workspace = Memory(self.device, sizes)
+        # Counters (tile_done) start at zero and the kernels leave them at zero.
+        _ok(_driver().cuMemsetD8(self.workspace.base, 0, self.workspace.size), "clearing the workspace")
         self._weights: Memory | None = None
         self._streams: dict[int, _StreamRef] = {}
         self._configs: dict[tuple[int, int], Any] = {}
@@ -152,7 +159,7 @@ class Layer:
         for pw in plan.weights:
             self._pack(pw, stage, staged, packed)
         _ok(_driver().cuCtxSynchronize(), "packing weights")
-        stage.buffer.close()
+        stage.close()
         self._weights = packed
 
     def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:

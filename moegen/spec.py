@@ -147,7 +147,7 @@ class Spec(_Frozen):
                 f"parallel.ep_rank={self.parallel.ep_rank} must be below parallel.ep_size={self.parallel.ep_size}"
             )
         if self.buckets is not None:
-            if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.max_tokens:
+            if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.max_tokens:
                 raise ValueError("buckets must be strictly increasing and end at max_tokens")
         a = e.activation
         if a.kind is ActivationKind.swiglu_clamped and (a.alpha is None or a.limit is None):
@@ -216,15 +216,25 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 
 def _line_of(text: str, loc: tuple[Any, ...]) -> int | None:
-    """Best-effort line number of the innermost key of `loc` in the YAML text."""
+    """Line of the key path `loc` in the YAML text, walking it key by key through the nesting."""
     keys = [p for p in loc if isinstance(p, str)]
     if not keys:
         return None
-    want = re.compile(rf"^\s*{re.escape(keys[-1])}\s*:")
-    for i, line in enumerate(text.splitlines(), 1):
-        if want.match(line):
-            return i
-    return None
+    lines = text.splitlines()
+    start, indent, found = 0, -1, None
+    for key in keys:
+        want = re.compile(rf"^(\s*){re.escape(key)}\s*:")
+        for i in range(start, len(lines)):
+            m = want.match(lines[i])
+            stripped = lines[i].strip()
+            if stripped and not stripped.startswith("#") and len(lines[i]) - len(lines[i].lstrip()) <= indent:
+                break  # left the enclosing mapping
+            if m and len(m.group(1)) > indent:
+                start, indent, found = i + 1, len(m.group(1)), i + 1
+                break
+        else:
+            break
+    return found
 
 
 def parse_spec(data: Any, source: str = "<spec>", text: str = "", check_generated: bool = True) -> Spec:

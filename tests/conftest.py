@@ -18,7 +18,10 @@ def gpu_unavailable_reason() -> str | None:
         from cuda.bindings import driver
     except ImportError as exc:  # pragma: no cover - cuda-bindings is a dependency
         return f"cuda-bindings not importable: {exc}"
-    (err,) = driver.cuInit(0)
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as exc:  # no driver library at all (e.g. CI)
+        return f"no CUDA driver here ({type(exc).__name__})"
     if err != driver.CUresult.CUDA_SUCCESS:
         return f"no CUDA driver/device here ({err.name})"
     err, count = driver.cuDeviceGetCount()

@@ -217,7 +217,6 @@ def test_digest_ignores_spelling_of_defaults():
 # ----------------------------------------------------------------------------- known spec.py issues
 
 
-@pytest.mark.xfail(strict=True, reason="spec.py: empty buckets raise IndexError from the validator, not SpecError")
 def test_empty_buckets_is_a_spec_error():
     data = base_dict()
     data["buckets"] = []
@@ -225,7 +224,6 @@ def test_empty_buckets_is_a_spec_error():
         parse_spec(data)
 
 
-@pytest.mark.xfail(strict=True, reason="spec.py: _line_of matches the first line with the innermost key name")
 def test_error_line_is_the_offending_section(tmp_path: Path):
     text = BASE + "  format: bf16\nshared_expert:\n  intermediate_size: 16\n  format: bogus\n"  # bogus on line 11
     p = write(tmp_path, text)

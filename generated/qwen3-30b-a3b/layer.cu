@@ -4,7 +4,7 @@
 // E=128 routed experts, top-8, H=2048, I=768.
 // Routing: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 9437184 bytes.
-// Kernels per call: router -> route -> gate_up -> down -> combine; launch geometry per token bucket is
+// Kernels per call: router -> route -> gate_up -> down + combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -36,6 +36,11 @@ MOE_DEVICE void mma_bf16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
+// Unsigned key ordered as the floats are (for warp-wide max with redux.sync).
+MOE_DEVICE u32 order_key(float f) {
+  const u32 b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
 MOE_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
 MOE_DEVICE float warp_max(float v) {
 #pragma unroll
@@ -239,22 +244,30 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 
 // Down projection of one 16-row tile of the hidden dimension for one expert's tokens:
 // y[p, h] = act[p, :] . d_h in fp32. Blocks past the routed slots do the shared expert.
-template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H>
+// The last block to finish a tile (a per-tile counter, integer atomics only) writes the tile of
+// the output: out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in
+// order, so the sum does not depend on which block came last.
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H, int K, bool SHARED_GATE>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
                           const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
-                          const int* __restrict__ slot_begin, float* __restrict__ y,
-                          float* __restrict__ ys, int n) {
+                          const int* __restrict__ slot_begin, float* y, float* ys,
+                          const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
+                          const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   using GR = TileGemv<KC, 1, NT, WARPS, DEPTH>;
   using GS = TileGemv<(KCS > 0 ? KCS : 1), 1, NTS, WARPS, DEPTH>;
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
+  __shared__ int is_last;
   grid_dep_wait();
   grid_dep_launch();
   const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
+  const int slots = *num_slots;
+  int tile;
   if (blockIdx.x < routed_blocks) {
-    const int slot = blockIdx.x / TH, tile = blockIdx.x % TH;
-    if (slot >= *num_slots) return;
+    const int slot = blockIdx.x / TH;
+    tile = blockIdx.x % TH;
+    if (slot >= slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
     const uint4* a = w2 + ((size_t)e * TH + tile) * KC * 64;
     const bf16_t* xa = act + (size_t)begin * KC * 32;
@@ -266,8 +279,8 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
       }
       __syncthreads();
     }
-  } else if (KCS > 0) {
-    const int tile = blockIdx.x - routed_blocks;
+  } else {
+    tile = blockIdx.x - routed_blocks;
     const uint4* a = ws2 + (size_t)tile * KCS * 64;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
       GS::run(a, act_s, KCS * 32, nullptr, n0, n, red);
@@ -277,6 +290,26 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
       }
       __syncthreads();
     }
+  }
+  // Publish this block's rows, then count it; the block that completes the tile combines it.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int expect = slots + (KCS > 0 ? 1 : 0);
+    is_last = atomicAdd(&tile_done[tile], 1) == expect - 1;
+    if (is_last) tile_done[tile] = 0;  // every block of this tile has counted: ready for the next call
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {
+    const int tk = i >> 4, h = tile * 16 + (i & 15);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      acc = fmaf(topk_w[tk * K + j], __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+    if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
+    out[(size_t)tk * H + h] = f32_to_bf16(acc);
   }
 }
 
@@ -329,7 +362,8 @@ MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ t
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = (lane + 32 * i < E) ? v[i] / sum : MOE_NEG_INF;
     }
-    // k rounds of arg-max; equal values: the lower expert index wins.
+    // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
+    // expert index holding it (equal values: the lower expert index wins).
     float my_v = 0.0f;
     int my_e = 0;
     for (int j = 0; j < K; ++j) {
@@ -338,12 +372,10 @@ MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ t
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
         if (v[i] > bv) { bv = v[i]; be = lane + 32 * i; }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-        if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
-      }
+      const u32 key = order_key(bv);
+      const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+      be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
+      bv = __shfl_sync(0xffffffffu, bv, be & 31);
       if (lane == j) { my_v = bv; my_e = be; }
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
@@ -402,39 +434,6 @@ MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ t
   }
 }
 
-// ---- combine: out[t] = sum_j w[t,j] * y[pair(t,j)] (+ gate[t] * shared[t]), choices in order ----
-template <int H, int K, bool HAS_SHARED, bool SHARED_GATE>
-MOE_DEVICE void combine_body(const float* __restrict__ y, const float* __restrict__ ys,
-                             const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
-                             const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n) {
-  grid_dep_wait();
-  grid_dep_launch();
-  const int tk = blockIdx.x, h = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-  if (tk >= n || h >= H) return;
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    const float w = topk_w[tk * K + j];
-    const float* row = y + (size_t)pair_pos[tk * K + j] * H + h;
-    const float4 lo = *reinterpret_cast<const float4*>(row), hi = *reinterpret_cast<const float4*>(row + 4);
-    acc[0] = fmaf(w, lo.x, acc[0]); acc[1] = fmaf(w, lo.y, acc[1]);
-    acc[2] = fmaf(w, lo.z, acc[2]); acc[3] = fmaf(w, lo.w, acc[3]);
-    acc[4] = fmaf(w, hi.x, acc[4]); acc[5] = fmaf(w, hi.y, acc[5]);
-    acc[6] = fmaf(w, hi.z, acc[6]); acc[7] = fmaf(w, hi.w, acc[7]);
-  }
-  if (HAS_SHARED) {
-    const float gs = SHARED_GATE ? gate_s[tk] : 1.0f;
-    const float* row = ys + (size_t)tk * H + h;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = fmaf(gs, row[i], acc[i]);
-  }
-  uint4 o;
-  o.x = pack_bf16x2(acc[0], acc[1]); o.y = pack_bf16x2(acc[2], acc[3]);
-  o.z = pack_bf16x2(acc[4], acc[5]); o.w = pack_bf16x2(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(out + (size_t)tk * H + h) = o;
-}
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
@@ -474,16 +473,11 @@ static_assert(0 % 32 == 0, "shared expert width: whole tiles and chunks");
 static_assert(128 % 16 == 0 && 128 >= 128, "router rows padded to whole tiles");
 static_assert((2048 / 32) % 16 == 0 && (2048 / 32) / 16 >= 4, "router K split into whole chunks");
 static_assert(8 <= 32, "route: one choice per lane");
-static_assert(2048 % (8) == 0, "combine: 8 outputs per thread");
 
 // ---- kernels of this layer ----
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; tokens grouped by expert
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_renorm_fp32_ks16_n256_sm_90a(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_body<128, 128, 8, 16, 256, false, true, false, false, 1024>(logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
-}
-// weighted sum of each token's expert outputs in choice order (+ shared)
-extern "C" __global__ void __launch_bounds__(128) moe_combine_h2048_k8_sm_90a(const float* __restrict__ y, const float* __restrict__ ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n) {
-  combine_body<2048, 8, false, false>(y, ys, topk_w, pair_pos, gate_s, out, n);
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
@@ -501,9 +495,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 48, 0, 768, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
-// down: expert slots x 128 tiles of 768
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* __restrict__ y, float* __restrict__ ys, int n) {
-  down_body<24, 0, 1, 1, 4, 8, 128, 2048>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, n);
+// down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 1, 1, 4, 8, 128, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
@@ -517,15 +511,15 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 4, 4, 3, 48, 0, 768, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
-// down: expert slots x 128 tiles of 768
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* __restrict__ y, float* __restrict__ ys, int n) {
-  down_body<24, 0, 2, 4, 4, 4, 128, 2048>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, n);
+// down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 2, 4, 4, 4, 128, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + SiLU: expert slots x 48 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 48, 0, 768, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
-// down: expert slots x 128 tiles of 768
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* __restrict__ y, float* __restrict__ ys, int n) {
-  down_body<24, 0, 4, 4, 4, 4, 128, 2048>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, n);
+// down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 4, 4, 4, 4, 128, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }

@@ -1,0 +1,525 @@
+// moegen 0.1.0: qwen3-235b-a22b (Qwen/Qwen3-235B-A22B), sm_90a. Generated; do not edit.
+// spec sha256 c1b820f72f3462f0146b9d839b5c612832d9ecbab6418af519992775016e4f82
+//
+// E=128 routed experts, top-8, H=4096, I=1536.
+// Routing: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize.
+// Weights: bf16 packed into m16n8k16 fragment order; per expert 37748736 bytes.
+// Kernels per call: router -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// in the launcher and manifest.
+// ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
+// No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define MOE_DEVICE __device__ __forceinline__
+#define MOE_NEG_INF (-__int_as_float(0x7f800000))
+
+MOE_DEVICE float bf16_to_f32(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+MOE_DEVICE bf16_t f32_to_bf16(float f) {
+  bf16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+MOE_DEVICE u32 pack_bf16x2(float lo, float hi) {
+  return ((u32)f32_to_bf16(hi) << 16) | (u32)f32_to_bf16(lo);
+}
+// Programmatic dependent launch: wait for the previous kernel's results, then let the next
+// kernel's blocks start early. Both are no-ops when the launch does not ask for it.
+MOE_DEVICE void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+MOE_DEVICE void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, fp32 accumulate.
+MOE_DEVICE void mma_bf16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, "
+      "{ %0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// Unsigned key ordered as the floats are (for warp-wide max with redux.sync).
+MOE_DEVICE u32 order_key(float f) {
+  const u32 b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+MOE_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
+MOE_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+MOE_DEVICE float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+MOE_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// One 16-row tile of MATS packed weight matrices times up to 8*NT token vectors.
+//
+// Packed layout (moegen.weights.pack_tiles): [tile][K/32 chunk][MATS][2 k-steps][32 lanes][8 bf16].
+// Each lane's 16 bytes are its whole m16n8k16 A fragment, so a warp reads 512 contiguous bytes
+// per fragment. K is permuted inside each 32-wide chunk so that the B fragment of a token is 16
+// contiguous bytes of its activation row as stored (K is summed over, so the same permutation
+// on both operands leaves the product unchanged).
+//
+// Warps split K (chunks warp, warp+WARPS, ...). Each lane copies its own 16-byte fragments
+// into a DEPTH-deep shared-memory ring with cp.async and reads back only what it copied, so
+// DEPTH-1 chunks per warp stay in flight without any barrier. Each warp's partial sums go to
+// shared memory and are added in warp order: the result depends neither on timing nor on the
+// other tokens.
+template <int KC, int MATS, int NT, int WARPS, int DEPTH>
+struct TileGemv {
+  static constexpr int FRAGS = MATS * 2 + NT;  // 16-byte fragments per lane per chunk
+  static constexpr int RING_U4 = WARPS * DEPTH * FRAGS * 32;
+  static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
+  static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
+
+  // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
+  // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
+  // smem: SMEM_BYTES, 16-byte aligned; on return it holds the per-warp partial sums.
+  static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
+                             const int* __restrict__ tok, int n0, int m, uint4* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bf16_t* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int n = n0 + j * 8 + g;
+      xr[j] = (n < m) ? x + (size_t)(tok ? tok[n] : n) * x_stride + t * 8 : x;
+    }
+    bool live[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) live[j] = n0 + j * 8 + g < m;
+    float acc[NT][MATS][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][mt][i] = 0.0f;
+
+    uint4* ring = smem + warp * DEPTH * FRAGS * 32 + lane;
+    const int mine = (KC - warp + WARPS - 1) / WARPS;  // chunks warp, warp + WARPS, ...
+    auto issue = [&](int i) {
+      if (i < mine) {
+        const int c = warp + i * WARPS;
+        uint4* st = ring + (i % DEPTH) * FRAGS * 32;
+#pragma unroll
+        for (int f = 0; f < MATS * 2; ++f) cp_async16(st + f * 32, a + ((size_t)c * MATS * 2 + f) * 32 + lane, true);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) cp_async16(st + (MATS * 2 + j) * 32, xr[j] + c * 32, live[j]);
+      }
+      cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; ++i) issue(i);
+    for (int i = 0; i < mine; ++i) {
+      issue(i + DEPTH - 1);
+      cp_async_wait<DEPTH - 1>();
+      const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
+      uint4 av[MATS * 2], bv[NT];
+#pragma unroll
+      for (int f = 0; f < MATS * 2; ++f) av[f] = st[f * 32];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) bv[j] = st[(MATS * 2 + j) * 32];
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          mma_bf16(acc[j][mt], av[mt * 2], bv[j].x, bv[j].y);
+          mma_bf16(acc[j][mt], av[mt * 2 + 1], bv[j].z, bv[j].w);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the partial sums reuse the ring
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+        *reinterpret_cast<float4*>(red + ((warp * NT + j) * MATS + mt) * 128 + lane * 4) =
+            make_float4(acc[j][mt][0], acc[j][mt][1], acc[j][mt][2], acc[j][mt][3]);
+    __syncthreads();
+  }
+
+  // Result for tile row r (0..15) and token column col (0..7) of token group j, summed over
+  // warps in a fixed order.
+  static MOE_DEVICE float result(const uint4* smem, int j, int mt, int r, int col) {
+    const float* red = reinterpret_cast<const float*>(smem);
+    const int e = (((r & 7) * 4 + (col >> 1)) * 4) + (r >> 3) * 2 + (col & 1);
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += red[((w * NT + j) * MATS + mt) * 128 + e];
+    return s;
+  }
+};
+
+// ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
+// Every block streams one 16-row weight tile once and applies it to all tokens that need it.
+
+// Router logits (and the shared-expert gate logit as row E): rows of the packed router matrix
+// times every token. K is split over KSPLIT blocks per tile; the route kernel adds the KSPLIT
+// partial sums in a fixed order (no atomics).
+template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX>
+MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
+                                   float* __restrict__ logits, int n) {
+  constexpr int KC_PART = KC / KSPLIT;
+  using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
+  __shared__ uint4 red[G::SMEM_BYTES / 16];
+  const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
+  const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
+  const bf16_t* xs = x + part * KC_PART * 32;
+  grid_dep_wait();
+  grid_dep_launch();
+  for (int n0 = 0; n0 < n; n0 += 8 * NT) {
+    G::run(a, xs, KC * 32, nullptr, n0, n, red);
+    for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
+      const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+      if (tk < n) logits[((size_t)part * NMAX + tk) * ROWS_PAD + tile * 16 + r] = G::result(red, j, 0, r, col);
+    }
+    __syncthreads();
+  }
+}
+
+// Gate/up projections of one 16-column tile of one expert's FFN, then the activation:
+// act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
+// Blocks past the routed slots compute the shared expert over all tokens.
+template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS>
+MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
+                             const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
+                             const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
+                             const int* __restrict__ slot_token, bf16_t* __restrict__ act,
+                             bf16_t* __restrict__ act_s, int n) {
+  using GR = TileGemv<KC, 2, NT, WARPS, DEPTH>;
+  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH>;
+  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  __shared__ uint4 red[SMEM / 16];
+  constexpr size_t TILE_U4 = (size_t)KC * 2 * 64;  // uint4 per 16-column gate+up tile
+  // The grid is (expert slots of the bucket) x TI routed tiles, then TIS shared-expert tiles.
+  const int routed_blocks = gridDim.x - TIS;
+  if (blockIdx.x < routed_blocks) {
+    const int slot = blockIdx.x / TI, tile = blockIdx.x % TI;
+    grid_dep_wait();  // routing must be complete
+    grid_dep_launch();
+    if (slot >= *num_slots) return;
+    const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
+    const uint4* a = w13 + ((size_t)e * TI + tile) * TILE_U4;
+    for (int n0 = 0; n0 < m; n0 += 8 * NT) {
+      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red);
+      for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < m) {
+          const float gv = GR::result(red, j, 0, r, col), uv = GR::result(red, j, 1, r, col);
+          act[(size_t)(begin + tk) * I + tile * 16 + r] = f32_to_bf16(silu(gv) * uv);
+        }
+      }
+      __syncthreads();
+    }
+  } else if (TIS > 0) {
+    // The shared expert reads only x and its weights: it need not wait for the routing.
+    grid_dep_launch();
+    const int tile = blockIdx.x - routed_blocks;
+    const uint4* a = ws13 + (size_t)tile * TILE_U4;
+    for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
+      GS::run(a, x, KC * 32, nullptr, n0, n, red);
+      for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < n) {
+          const float gv = GS::result(red, j, 0, r, col), uv = GS::result(red, j, 1, r, col);
+          act_s[(size_t)tk * IS + tile * 16 + r] = f32_to_bf16(silu(gv) * uv);
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Down projection of one 16-row tile of the hidden dimension for one expert's tokens:
+// y[p, h] = act[p, :] . d_h in fp32. Blocks past the routed slots do the shared expert.
+// The last block to finish a tile (a per-tile counter, integer atomics only) writes the tile of
+// the output: out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in
+// order, so the sum does not depend on which block came last.
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H, int K, bool SHARED_GATE>
+MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
+                          const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
+                          const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
+                          const int* __restrict__ slot_begin, float* y, float* ys,
+                          const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
+                          const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  using GR = TileGemv<KC, 1, NT, WARPS, DEPTH>;
+  using GS = TileGemv<(KCS > 0 ? KCS : 1), 1, NTS, WARPS, DEPTH>;
+  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  __shared__ uint4 red[SMEM / 16];
+  __shared__ int is_last;
+  grid_dep_wait();
+  grid_dep_launch();
+  const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
+  const int slots = *num_slots;
+  int tile;
+  if (blockIdx.x < routed_blocks) {
+    const int slot = blockIdx.x / TH;
+    tile = blockIdx.x % TH;
+    if (slot >= slots) return;
+    const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
+    const uint4* a = w2 + ((size_t)e * TH + tile) * KC * 64;
+    const bf16_t* xa = act + (size_t)begin * KC * 32;
+    for (int n0 = 0; n0 < m; n0 += 8 * NT) {
+      GR::run(a, xa, KC * 32, nullptr, n0, m, red);
+      for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < m) y[(size_t)(begin + tk) * H + tile * 16 + r] = GR::result(red, j, 0, r, col);
+      }
+      __syncthreads();
+    }
+  } else {
+    tile = blockIdx.x - routed_blocks;
+    const uint4* a = ws2 + (size_t)tile * KCS * 64;
+    for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
+      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red);
+      for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < n) ys[(size_t)tk * H + tile * 16 + r] = GS::result(red, j, 0, r, col);
+      }
+      __syncthreads();
+    }
+  }
+  // Publish this block's rows, then count it; the block that completes the tile combines it.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int expect = slots + (KCS > 0 ? 1 : 0);
+    is_last = atomicAdd(&tile_done[tile], 1) == expect - 1;
+    if (is_last) tile_done[tile] = 0;  // every block of this tile has counted: ready for the next call
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {
+    const int tk = i >> 4, h = tile * 16 + (i & 15);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      acc = fmaf(topk_w[tk * K + j], __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+    if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
+    out[(size_t)tk * H + h] = f32_to_bf16(acc);
+  }
+}
+
+// ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
+// One block. Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
+// numbered in ascending expert order (slots) and each (token, choice) pair gets a row in its
+// expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
+// counters give, which changes no result: each token's row is computed independently.
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
+          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
+MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ topk_ids,
+                           float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                           float* __restrict__ gate_s, int* __restrict__ num_slots,
+                           int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                           int* __restrict__ slot_token, float scale, int n) {
+  constexpr int EPL = (E + 31) / 32;
+  __shared__ int cnt[E];
+  __shared__ int cursor[E];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
+  grid_dep_wait();
+  grid_dep_launch();
+  __syncthreads();
+  for (int tk = warp; tk < n; tk += THREADS / 32) {
+    float v[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      float s = MOE_NEG_INF;
+      if (e < E) {
+        s = 0.0f;
+#pragma unroll
+        for (int p = 0; p < KSPLIT; ++p) s += logits[((size_t)p * NMAX + tk) * ROWS_PAD + e];
+        if (LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+      }
+      v[i] = s;
+    }
+    if (!SELECT_LOGITS) {  // softmax over all experts, then top-k on the probabilities
+      float mx = MOE_NEG_INF;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+      mx = warp_max(mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        v[i] = (lane + 32 * i < E) ? expf(v[i] - mx) : 0.0f;
+        sum += v[i];
+      }
+      sum = warp_sum(sum);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = (lane + 32 * i < E) ? v[i] / sum : MOE_NEG_INF;
+    }
+    // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
+    // expert index holding it (equal values: the lower expert index wins).
+    float my_v = 0.0f;
+    int my_e = 0;
+    for (int j = 0; j < K; ++j) {
+      float bv = MOE_NEG_INF;
+      int be = 0x7fffffff;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (v[i] > bv) { bv = v[i]; be = lane + 32 * i; }
+      const u32 key = order_key(bv);
+      const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+      be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
+      bv = __shfl_sync(0xffffffffu, bv, be & 31);
+      if (lane == j) { my_v = bv; my_e = be; }
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane + 32 * i == be) v[i] = MOE_NEG_INF;
+    }
+    float w = my_v;
+    if (SELECT_LOGITS) {  // softmax over the k chosen logits; lane 0 holds the largest
+      const float top = __shfl_sync(0xffffffffu, my_v, 0);
+      w = lane < K ? expf(my_v - top) : 0.0f;
+      w = w / warp_sum(w);
+    }
+    if (RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    w *= scale;
+    if (lane < K) {
+      topk_ids[tk * K + lane] = my_e;
+      topk_w[tk * K + lane] = w;
+      atomicAdd(&cnt[my_e], 1);
+    }
+    if (SHARED_GATE && lane == 0) {
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < KSPLIT; ++p) s += logits[((size_t)p * NMAX + tk) * ROWS_PAD + E];
+      gate_s[tk] = 1.0f / (1.0f + expf(-s));
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // number the hit experts in ascending order; segment starts by prefix sum
+    int slots = 0, begin = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      const int c = e < E ? cnt[e] : 0, f = c > 0;
+      int fi = f, ci = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int fo = __shfl_up_sync(0xffffffffu, fi, o), co = __shfl_up_sync(0xffffffffu, ci, o);
+        if (lane >= o) { fi += fo; ci += co; }
+      }
+      if (f) {
+        slot_expert[slots + fi - 1] = e;
+        slot_begin[slots + fi - 1] = begin + ci - c;
+        cursor[e] = begin + ci - c;
+      }
+      slots += __shfl_sync(0xffffffffu, fi, 31);
+      begin += __shfl_sync(0xffffffffu, ci, 31);
+    }
+    if (lane == 0) {
+      *num_slots = slots;
+      slot_begin[slots] = begin;
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n * K; p += THREADS) {
+    const int pos = atomicAdd(&cursor[topk_ids[p]], 1);
+    pair_pos[p] = pos;
+    slot_token[pos] = p / K;
+  }
+}
+
+
+// ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
+// MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
+// one thread writes one lane's 16-byte fragment. Rows past R are zero.
+template <int MATS>
+MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
+                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  const int tiles = rows_pad / 16, chunks = k / 32;
+  const long long total = (long long)experts * tiles * chunks * MATS * 64;
+  for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+       u += (long long)gridDim.x * blockDim.x) {
+    long long r = u;
+    const int lane = (int)(r % 32); r /= 32;
+    const int s = (int)(r % 2); r /= 2;
+    const int mt = (int)(r % MATS); r /= MATS;
+    const int chunk = (int)(r % chunks); r /= chunks;
+    const int tile = (int)(r % tiles);
+    const int e = (int)(r / tiles);
+    const bf16_t* src = (mt == 0 ? src0 : src1) + (size_t)e * rows * k;
+    const int g = lane >> 2, col = chunk * 32 + 8 * (lane & 3) + 4 * s;
+    u32 v[4];
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = tile * 16 + g + 8 * h;
+        v[q * 2 + h] = row < rows ? *reinterpret_cast<const u32*>(src + (size_t)row * k + col + 2 * q) : 0u;
+      }
+    dst[u] = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---- the plan's invariants, re-checked by the compiler ----
+static_assert(4096 % 32 == 0, "hidden size: whole 32-wide K chunks");
+static_assert(1536 % 32 == 0, "expert width: whole 16-row tiles and 32-wide K chunks");
+static_assert(0 % 32 == 0, "shared expert width: whole tiles and chunks");
+static_assert(128 % 16 == 0 && 128 >= 128, "router rows padded to whole tiles");
+static_assert((4096 / 32) % 32 == 0 && (4096 / 32) / 32 >= 4, "router K split into whole chunks");
+static_assert(8 <= 32, "route: one choice per lane");
+
+// ---- kernels of this layer ----
+// route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; tokens grouped by expert
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_renorm_fp32_ks32_n256_sm_90a(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_body<128, 128, 8, 32, 256, false, true, false, false, 1024>(logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+}
+// weight packing, 1 matrices per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<1>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// weight packing, 2 matrices per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<2>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// router: 128 rows x 4096, K split 32 ways, 8 tokens per pass
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt1_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
+  router_logits_body<128, 1, 4, 8, 32, 128, 256>(wr, x, logits, n);
+}
+// gate/up + SiLU: expert slots x 96 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt1_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 1, 1, 4, 4, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+// down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<48, 0, 1, 1, 4, 8, 256, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+// router: 128 rows x 4096, K split 32 ways, 16 tokens per pass
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
+  router_logits_body<128, 2, 4, 6, 32, 128, 256>(wr, x, logits, n);
+}
+// router: 128 rows x 4096, K split 32 ways, 32 tokens per pass
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
+  router_logits_body<128, 4, 4, 4, 32, 128, 256>(wr, x, logits, n);
+}
+// gate/up + SiLU: expert slots x 96 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 2, 4, 4, 3, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+// down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<48, 0, 2, 4, 4, 4, 256, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+// gate/up + SiLU: expert slots x 96 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt4_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 4, 4, 4, 3, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+// down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<48, 0, 4, 4, 4, 4, 256, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}

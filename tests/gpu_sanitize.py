@@ -1,0 +1,34 @@
+"""Runs generated layers once per token count, for compute-sanitizer (not collected by pytest).
+
+    compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py qwen3-30b-a3b:1,64 mixtral-8x7b:1,64
+"""
+
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moegen.build import render_all, write_dir
+from moegen.plan import make_plan
+from moegen.runtime import load
+from moegen.spec import load_spec
+from moegen.weights import expected
+
+ROOT = Path(__file__).resolve().parent.parent
+
+for arg in sys.argv[1:]:
+    name, counts = arg.split(":")
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    out = Path(tempfile.mkdtemp()) / spec.name
+    write_dir(out, render_all(spec, plan))
+    w = {k: (torch.randn(s, device="cuda") / math.sqrt(s[-1])).to(torch.bfloat16) for k, s in expected(plan).items()}
+    layer = load(out, w)
+    for n in map(int, counts.split(",")):
+        x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        y = torch.full_like(x, float("nan"))
+        layer(x, out=y, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        print(f"{name} N={n}: finite={bool(torch.isfinite(y).all())} sum={y.float().sum().item():.4f}")
