@@ -180,6 +180,8 @@ def _check_shapes(spec: Spec) -> None:
     for name, v in checks:
         if v % 32:
             raise PlanError(f"{name}={v}: the bf16 kernels need a multiple of 32")
+    if spec.experts.count + spec.experts.zero_experts > 1024:
+        raise PlanError(f"experts.count={spec.experts.count}: the route kernel numbers at most 1024 experts")
     if spec.experts.top_k > 32:
         raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
 
@@ -196,7 +198,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     kc_h, kc_i, kc_s = h // 32, i // 32, si // 32
     ksplit = _ksplit(rows_pad // 16, kc_h, target)
     slots_max = min(e, nmax * k)
-    route_threads = min(1024, 32 * nmax)
+    route_threads = 1024  # one thread per expert in the slot scan, one warp per token
     suffix = f"bf16_{spec.arch}"
 
     kernels: dict[str, Kernel] = {}
@@ -331,6 +333,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),
         Assert(f"({h} / 32) % {ksplit} == 0 && ({h} / 32) / {ksplit} >= {WARPS}", "router K split into whole chunks"),
         Assert(f"{k} <= 32", "route: one choice per lane"),
+        Assert(f"{e} <= 1024", "route: one thread per expert in the slot numbering"),
     )
     return Plan(
         arch=spec.arch, hidden=h, experts=e, top_k=k, inter=i, shared_inter=si, shared_gate=gated,

@@ -8,6 +8,7 @@ replayed. No framework is imported: arrays come in through DLPack / the CUDA Arr
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from .arrays import ArrayError, DeviceArray, View, check, view
 from .plan import Plan, plan_from_dict
 
 ALIGN = 256
+_PDL = os.environ.get("MOEGEN_PDL", "1") != "0"  # MOEGEN_PDL=0 launches without programmatic dependence
 
 
 def _driver() -> Any:
@@ -238,7 +240,7 @@ class Layer:
             ln = self.plan.buckets[bi].launches[li]
             gx = n if ln.grid[0] == "n" else int(ln.grid[0])
             cfg = self._configs[key] = LaunchConfig(grid=(gx, int(ln.grid[1])), block=ln.block,
-                                                     programmatic_stream_serialization=ln.pdl)
+                                                     programmatic_stream_serialization=ln.pdl and _PDL)
         return cfg
 
     def _args(self, kernel: str, n: int, x_ptr: int, out_ptr: int) -> list[Any]:

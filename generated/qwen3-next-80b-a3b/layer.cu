@@ -402,28 +402,37 @@ MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ t
     }
   }
   __syncthreads();
-  if (warp == 0) {  // number the hit experts in ascending order; segment starts by prefix sum
-    int slots = 0, begin = 0;
-    for (int base = 0; base < E; base += 32) {
-      const int e = base + lane;
-      const int c = e < E ? cnt[e] : 0, f = c > 0;
-      int fi = f, ci = c;
+  {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix sum
+    __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
+    const int e = threadIdx.x;
+    const int c = e < E ? cnt[e] : 0, f = c > 0;
+    int ci = c, fi = f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
+      if (lane >= o) { ci += co; fi += fo; }
+    }
+    if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
+    __syncthreads();
+    if (warp == 0) {
+      int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
-        const int fo = __shfl_up_sync(0xffffffffu, fi, o), co = __shfl_up_sync(0xffffffffu, ci, o);
-        if (lane >= o) { fi += fo; ci += co; }
+        const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
+        if (lane >= o) { wc += co; wf += fo; }
       }
-      if (f) {
-        slot_expert[slots + fi - 1] = e;
-        slot_begin[slots + fi - 1] = begin + ci - c;
-        cursor[e] = begin + ci - c;
-      }
-      slots += __shfl_sync(0xffffffffu, fi, 31);
-      begin += __shfl_sync(0xffffffffu, ci, 31);
+      if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
     }
-    if (lane == 0) {
-      *num_slots = slots;
-      slot_begin[slots] = begin;
+    __syncthreads();
+    if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
+    if (f) {
+      slot_expert[fi - 1] = e;
+      slot_begin[fi - 1] = ci - c;
+      cursor[e] = ci - c;
+    }
+    if (e == E - 1) {
+      *num_slots = fi;
+      slot_begin[fi] = ci;
     }
   }
   __syncthreads();
@@ -473,6 +482,7 @@ static_assert(512 % 32 == 0, "shared expert width: whole tiles and chunks");
 static_assert(528 % 16 == 0 && 528 >= 513, "router rows padded to whole tiles");
 static_assert((2048 / 32) % 4 == 0 && (2048 / 32) / 4 >= 4, "router K split into whole chunks");
 static_assert(10 <= 32, "route: one choice per lane");
+static_assert(512 <= 1024, "route: one thread per expert in the slot numbering");
 
 // ---- kernels of this layer ----
 // route: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize; tokens grouped by expert
