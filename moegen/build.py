@@ -13,9 +13,9 @@ from pathlib import Path
 
 from . import __version__
 from .nvrtc import Compiled, compile_cuda, nvrtc_version, options_of
-from .plan import Plan, make_plan
+from .plan import Plan, PlanError, make_plan
 from .render import CUDA_FILE, LAUNCHER_FILE, render_cuda, render_launcher
-from .spec import Spec, load_spec
+from .spec import Spec, load_spec, parse_spec
 
 MANIFEST_FILE = "manifest.json"
 
@@ -63,6 +63,11 @@ def manifest(spec: Spec, plan: Plan, compiled: Compiled) -> dict:
     }
 
 
+def manifest_text(spec: Spec, plan: Plan, compiled: Compiled) -> str:
+    """manifest.json exactly as the build writes it."""
+    return json.dumps(manifest(spec, plan, compiled), indent=1) + "\n"
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     n = {"float32": 4, "int32": 4, "uint16": 2}[dtype]
     for s in shape:
@@ -72,39 +77,70 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str | None = None,
           use_cache: bool = True) -> BuildResult:
+    """Validate, plan, render and compile one spec, then replace out_root/<name>/ with the result.
+
+    Every check that can fail (spec, arch, plan, output root, NVRTC) runs before anything is
+    written; the write itself is atomic (write_dir).
+    """
     t0 = time.perf_counter()
     spec = load_spec(spec_path)
     if arch is not None and arch != spec.arch:
-        spec = Spec.model_validate({**spec.model_dump(), "arch": arch})
-    plan = make_plan(spec)
+        # Through parse_spec, so an arch the schema refuses is a SpecError naming the field.
+        spec = parse_spec({**spec.model_dump(mode="json"), "arch": arch}, f"{spec_path} (--arch {arch})")
+    try:
+        plan = make_plan(spec)
+    except PlanError as exc:
+        raise PlanError(f"{spec_path}: {exc}") from None
     out_dir = Path(out_root) / spec.name
+    check_writable(out_dir.parent)
     files = render_all(spec, plan)
     compiled = compile_cuda(files[CUDA_FILE], plan.arch, display=str(out_dir / CUDA_FILE), use_cache=use_cache)
-    files[MANIFEST_FILE] = json.dumps(manifest(spec, plan, compiled), indent=1) + "\n"
+    files[MANIFEST_FILE] = manifest_text(spec, plan, compiled)
     write_dir(out_dir, files)
     return BuildResult(spec, plan, out_dir, compiled, time.perf_counter() - t0)
+
+
+def check_writable(root: Path) -> None:
+    """Refuse an output root that cannot be created or written, before the compile spends time.
+
+    Creates nothing: walks up to the closest existing ancestor. (write_dir still handles what
+    this cannot foresee.)
+    """
+    p = root.absolute()
+    while not p.exists() and not p.is_symlink():
+        p = p.parent
+    if not p.is_dir():
+        raise BuildError(f"{root}: cannot write the output directory: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise BuildError(f"{root}: cannot write the output directory: {p} is not writable")
 
 
 def write_dir(out_dir: Path, files: dict[str, str]) -> None:
     """Replace out_dir by exactly `files`, atomically: a failure leaves the old directory as it was."""
     parent = out_dir.parent
+    if (out_dir.exists() or out_dir.is_symlink()) and not out_dir.is_dir():
+        raise BuildError(f"{out_dir}: exists and is not a directory; not replacing it")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=parent))
     except OSError as exc:
-        raise BuildError(f"{parent}: cannot write the output directory: {exc.strerror}") from None
+        raise BuildError(f"{parent}: cannot write the output directory: {exc.strerror or exc}") from None
     old = None
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the output is an ordinary directory
         for name, text in files.items():
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
         if out_dir.exists():
-            old = parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
+            os.replace(out_dir, old)  # a directory may replace an empty one
         os.replace(tmp, out_dir)
-    except OSError as exc:
+    except BaseException as exc:
         if old is not None and not out_dir.exists():
-            os.replace(old, out_dir)
-        raise BuildError(f"{out_dir}: cannot write the generated files: {exc.strerror}") from None
+            os.replace(old, out_dir)  # put the previous output back
+            old = None
+        if isinstance(exc, OSError):
+            raise BuildError(f"{out_dir}: cannot write the generated files: {exc.strerror or exc}") from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:

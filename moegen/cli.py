@@ -5,12 +5,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
 from .build import BuildError, build
-from .nvrtc import CompileError
+from .nvrtc import CacheError, CompileError
 from .plan import PlanError
 from .spec import SpecError
 
-_USER_ERRORS = (SpecError, PlanError, CompileError, BuildError)
+_USER_ERRORS = (SpecError, PlanError, CompileError, CacheError, BuildError)
+
+
+def _error_text(exc: BaseException) -> str:
+    """One line that stands alone, then (compile errors only) the excerpt and NVRTC's log, indented."""
+    if isinstance(exc, OSError):  # a path the user gave: missing, a directory, not readable
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}"
+    head, *rest = str(exc).splitlines() or [type(exc).__name__]
+    if isinstance(exc, CompileError):
+        return "\n".join([head, *("  " + line for line in rest)])
+    # Spec errors list one problem per line under a heading: fold them into the one line.
+    items = [line.strip() for line in rest if line.strip()]
+    return f"{head.rstrip(':')}: {'; '.join(items)}" if items else head
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -36,6 +50,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moegen", description="Compile a model's MoE layer spec into CUDA kernels.")
+    p.add_argument("--version", action="version", version=f"moegen {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="render, compile (NVRTC) and write generated/<name>/; needs no GPU")
     b.add_argument("specs", nargs="+", help="spec YAML files (specs/<model>.yaml)")
@@ -55,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except _USER_ERRORS as exc:
-        print(f"moegen: error: {exc}", file=sys.stderr)
+    except (*_USER_ERRORS, OSError) as exc:
+        print(f"moegen: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
 

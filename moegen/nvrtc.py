@@ -4,7 +4,8 @@ The cache key covers everything that can change a binary: the rendered source, t
 the arch, the NVRTC version and moegen's version (the source has no #include, so there are no
 headers to hash). Entries are written to a temporary directory and renamed into place; a file
 lock with a re-check after acquiring it keeps concurrent builds from compiling twice; an entry
-whose cubin does not match its recorded hash is rebuilt, never loaded.
+whose cubin does not match its recorded hash is rebuilt, never loaded. Only a process holding
+the lock removes or replaces an entry, so a reader never deletes what a writer just put there.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ STD = "c++17"
 
 class CompileError(RuntimeError):
     """NVRTC rejected generated code; the message locates it in the generated file."""
+
+
+class CacheError(RuntimeError):
+    """The cubin cache directory cannot be used (MOEGEN_CACHE, or --no-cache to bypass it)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,11 @@ def options_of(arch: str) -> dict[str, object]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOEGEN_CACHE", Path.home() / ".cache" / "moegen"))
+    """$MOEGEN_CACHE, else $XDG_CACHE_HOME/moegen, else ~/.cache/moegen (an empty variable counts as unset)."""
+    if os.environ.get("MOEGEN_CACHE"):
+        return Path(os.environ["MOEGEN_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moegen"
 
 
 def cache_key(source: str, arch: str) -> str:
@@ -96,16 +105,23 @@ def parse_resources(log: str) -> dict[str, KernelResources]:
     return out
 
 
+_ERROR_AT = re.compile(r"\((\d+)\): (?:catastrophic )?error: *(.*)")
+
+
 def _locate(log: str, source: str, display: str) -> str:
-    """The first error of the log with a numbered excerpt of the generated file around it."""
-    lines = source.splitlines()
-    m = re.search(r"\((\d+)\): (?:catastrophic )?error", log)
+    """`display:line: error: why`, then a numbered excerpt of the generated file around the first error."""
+    m = _ERROR_AT.search(log)
     if not m:
-        return ""
-    n = int(m.group(1))
+        return f"{display}: error: NVRTC gave no line (see the log)\n"
+    n, why = int(m.group(1)), m.group(2).strip()
+    lines = source.splitlines()
     lo, hi = max(1, n - 3), min(len(lines), n + 3)
     excerpt = "\n".join(f"{'>' if i == n else ' '} {i:5d} | {lines[i - 1]}" for i in range(lo, hi + 1))
-    return f"{display}:{n}:\n{excerpt}\n"
+    return f"{display}:{n}: error: {why}\n{excerpt}\n"
+
+
+def _clean(log: str) -> str:
+    return log.replace("\x00", "").strip()  # NVRTC pads its logs with NULs
 
 
 def _compile_uncached(source: str, arch: str, display: str) -> tuple[bytes, str]:
@@ -115,12 +131,14 @@ def _compile_uncached(source: str, arch: str, display: str) -> tuple[bytes, str]
     opts = ProgramOptions(name=os.path.basename(display), **options_of(arch))
     try:
         obj = Program(source, code_type="c++", options=opts).compile("cubin", logs=log)
-    except Exception as exc:  # cuda.core raises NVRTCError with the log in its message
-        text = str(exc) + "\n" + log.getvalue()
+    except Exception as exc:  # noqa: BLE001 - cuda.core's NVRTCError (log in its message) is not public API
+        text = _clean(str(exc) + "\n" + log.getvalue())
+        # First line stands alone (file:line: error: why); the excerpt and NVRTC's full log follow.
         raise CompileError(
-            f"NVRTC failed to compile {display} for {arch}\n{_locate(text, source, display)}\nfull log:\n{text}"
+            f"{_locate(text, source, display)}(NVRTC {nvrtc_version()}, {arch}, compiling {display})\n"
+            f"full log:\n{text}"
         ) from None
-    return bytes(obj.code), log.getvalue()
+    return bytes(obj.code), _clean(log.getvalue())
 
 
 def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: bool = True) -> Compiled:
@@ -131,42 +149,58 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
         return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
     root = cache_dir()
     entry = root / key
-    hit = _read_entry(entry)
+    hit = _read_entry(entry, key)
     if hit:
         return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{key}.lock")):
-        hit = _read_entry(entry)  # another process may have built it while we waited
+    try:
+        (root / "locks").mkdir(parents=True, exist_ok=True)
+        # 256 lock stripes by key prefix: bounded lock files; two keys sharing one only wait.
+        lock = FileLock(str(root / "locks" / f"{key[:2]}.lock"))
+        lock.acquire()
+    except OSError as exc:
+        raise CacheError(f"{root}: cannot use the cubin cache: {exc.strerror or exc} "
+                         "(set MOEGEN_CACHE to a writable directory, or build with --no-cache)") from None
+    try:
+        hit = _read_entry(entry, key)  # another process may have built it while we waited
         if hit:
             return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
         cubin, log = _compile_uncached(source, arch, display)
-        _write_entry(root, entry, cubin, log)
+        _write_entry(root, entry, key, cubin, log)
+    finally:
+        lock.release()
     return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
 
 
-def _read_entry(entry: Path) -> tuple[bytes, str] | None:
+def _read_entry(entry: Path, key: str) -> tuple[bytes, str] | None:
+    """The entry's cubin and log, or None when it is missing, partial or corrupt (never loaded then)."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
         cubin = (entry / "layer.cubin").read_bytes()
     except (OSError, ValueError):
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True)  # corrupt or partial: rebuild
         return None
-    if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
-        shutil.rmtree(entry, ignore_errors=True)
+    if (not isinstance(meta, dict) or meta.get("key") != key or not isinstance(meta.get("log"), str)
+            or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256")):
         return None
-    return cubin, meta.get("log", "")
+    return cubin, meta["log"]
 
 
-def _write_entry(root: Path, entry: Path, cubin: bytes, log: str) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+def _write_entry(root: Path, entry: Path, key: str, cubin: bytes, log: str) -> None:
+    """Under the lock: write a temporary directory, then rename it over whatever `entry` held."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    except OSError as exc:
+        raise CacheError(f"{root}: cannot write to the cubin cache: {exc.strerror or exc}") from None
     try:
         (tmp / "layer.cubin").write_bytes(cubin)
-        meta = {"cubin_sha256": hashlib.sha256(cubin).hexdigest(), "log": log, "moegen": __version__}
+        meta = {"key": key, "cubin_sha256": hashlib.sha256(cubin).hexdigest(), "log": log, "moegen": __version__}
         (tmp / "meta.json").write_text(json.dumps(meta))
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)  # corrupt: only the lock holder removes an entry
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
         os.replace(tmp, entry)
+    except OSError as exc:
+        raise CacheError(f"{entry}: cannot write the cache entry: {exc.strerror or exc}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,8 @@ WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in w
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
+ROUTE_THREADS = 1024  # the route kernel: one warp per token
+FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
 MAX_NT = 4  # token groups of 8 per pass: 4 keeps the accumulators in registers
 
 
@@ -117,7 +119,7 @@ class Plan:
     workspace: tuple[Buffer, ...]
     weights: tuple[PackedWeight, ...]
     asserts: tuple[Assert, ...]
-    kernel_order: tuple[str, ...] = field(default=("router", "route", "gate_up", "down + combine"))
+    kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -180,8 +182,6 @@ def _check_shapes(spec: Spec) -> None:
     for name, v in checks:
         if v % 32:
             raise PlanError(f"{name}={v}: the bf16 kernels need a multiple of 32")
-    if spec.experts.count + spec.experts.zero_experts > 1024:
-        raise PlanError(f"experts.count={spec.experts.count}: the route kernel numbers at most 1024 experts")
     if spec.experts.top_k > 32:
         raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
 
@@ -198,40 +198,46 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     kc_h, kc_i, kc_s = h // 32, i // 32, si // 32
     ksplit = _ksplit(rows_pad // 16, kc_h, target)
     slots_max = min(e, nmax * k)
-    route_threads = 1024  # one thread per expert in the slot scan, one warp per token
     suffix = f"bf16_{spec.arch}"
 
     kernels: dict[str, Kernel] = {}
 
-    def router(nt: int) -> str:
-        name = f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}_{suffix}"
+    select_logits = spec.routing.select is Select.logits
+    route_targs = (str(e), str(k), _b(select_logits), _b(spec.routing.renormalize),
+                   _b(spec.router.logits_dtype == "bf16"), _b(gated))
+    route_tag = (f"e{e}_k{k}_{'logits' if select_logits else 'softmax'}{'_renorm' if spec.routing.renormalize else ''}"
+                 f"{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
+    route_params = ("int* __restrict__ topk_ids", "float* __restrict__ topk_w", "int* __restrict__ pair_pos",
+                    "float* __restrict__ gate_s", "int* __restrict__ num_slots", "int* __restrict__ slot_expert",
+                    "int* __restrict__ slot_begin", "int* __restrict__ slot_token", "int n")
+    route_args = ("topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots", "slot_expert", "slot_begin",
+                  "slot_token", f"{spec.routing.routed_scaling_factor!r}f", "n")
+    route_keys = ("ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.num_slots", "ws.slot_expert",
+                  "ws.slot_begin", "ws.slot_token", "n")
+
+    def router(nt: int, fused: bool) -> str:
+        name = f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}" + (f"_route_{route_tag}" if fused else "") + f"_{suffix}"
         kernels.setdefault(name, Kernel(
             name, "router", WARPS * 32,
-            targs=tuple(map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax))),
-            params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* __restrict__ logits", "int n"),
-            args=("wr", "x", "logits", "n"), arg_keys=("w.router", "x", "ws.logits", "n"),
+            targs=(*map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax)), _b(fused), *route_targs),
+            params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* logits",
+                    "int* route_done", *route_params),
+            args=("wr", "x", "logits", "route_done", *route_args),
+            arg_keys=("w.router", "x", "ws.logits", "ws.route_done", *route_keys),
             body="router_logits_body",
-            comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass",
+            comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass"
+            + ("; the last block routes" if fused else ""),
         ))
         return name
 
-    route_name = (f"moe_route_e{e}_k{k}_{'logits' if spec.routing.select is Select.logits else 'softmax'}"
-                  f"{'_renorm' if spec.routing.renormalize else ''}{'_sgate' if gated else ''}"
-                  f"_{spec.router.logits_dtype}_ks{ksplit}_n{nmax}_{spec.arch}")
+    route_name = f"moe_route_{route_tag}_ks{ksplit}_n{nmax}_{spec.arch}"
     kernels[route_name] = Kernel(
-        route_name, "route", route_threads,
-        targs=(str(e), str(rows_pad), str(k), str(ksplit), str(nmax),
-               _b(spec.routing.select is Select.logits), _b(spec.routing.renormalize),
-               _b(spec.router.logits_dtype == "bf16"), _b(gated), str(route_threads)),
-        params=("const float* __restrict__ logits", "int* __restrict__ topk_ids", "float* __restrict__ topk_w",
-                "int* __restrict__ pair_pos", "float* __restrict__ gate_s", "int* __restrict__ num_slots",
-                "int* __restrict__ slot_expert", "int* __restrict__ slot_begin", "int* __restrict__ slot_token",
-                "int n"),
-        args=("logits", "topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots", "slot_expert", "slot_begin",
-              "slot_token", f"{spec.routing.routed_scaling_factor!r}f", "n"),
-        arg_keys=("ws.logits", "ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.num_slots",
-                  "ws.slot_expert", "ws.slot_begin", "ws.slot_token", "n"),
-        body="route_body", comment=f"route: {_routing_desc(spec)}; tokens grouped by expert",
+        route_name, "route", ROUTE_THREADS,
+        targs=(str(e), str(rows_pad), str(k), str(ksplit), str(nmax), *route_targs[2:], str(ROUTE_THREADS)),
+        params=("const float* __restrict__ logits", *route_params),
+        args=("logits", *route_args),
+        arg_keys=("ws.logits", *route_keys),
+        body="route_kernel_body", comment=f"route: {_routing_desc(spec)}; tokens grouped by expert",
     )
 
     def gate_up(nt: int, nts: int) -> str:
@@ -251,11 +257,11 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         ))
         return name
 
-    def down(nt: int, nts: int) -> str:
-        name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
+    def down(nt: int, nts: int, prefetch: bool) -> str:
+        name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + ("_pf" if prefetch else "") + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
-            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h, k)), _b(gated)),
+            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h, k)), _b(gated), _b(prefetch)),
             params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
                     "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
                     "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
@@ -290,11 +296,15 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
         # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
         nt_routed = nt_dense if si else _nt(min(nb, 2 * math.ceil(nb * k / e)))
+        fused = nb <= FUSED_ROUTE_MAX
+        # The down kernel's blocks start (programmatic launch) while gate/up streams; when the
+        # down weights they will read fit in half of L2 they prefetch them there meanwhile.
+        prefetch = (slots * h * i + h * si) * 2 <= target.l2_bytes // 2
         launches = (
-            Launch(router(nt_dense), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=False),
-            Launch(route_name, (1, 1), route_threads, pdl=True),
+            Launch(router(nt_dense, fused), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=True),
+            *(() if fused else (Launch(route_name, (1, 1), ROUTE_THREADS, pdl=True),)),
             Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
-            Launch(down(nt_routed, nt_dense), (slots * (h // 16) + (h // 16 if si else 0), 1), WARPS * 32, pdl=True),
+            Launch(down(nt_routed, nt_dense, prefetch), (slots * (h // 16) + (h // 16 if si else 0), 1), WARPS * 32, pdl=True),
         )
         buckets.append(Bucket(nb, launches))
 
@@ -312,7 +322,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("act_s", "uint16", (nmax, max(si, 1))),
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
-        Buffer("tile_done", "int32", (h // 16,)),  # zero between calls: the last block resets it
+        Buffer("tile_done", "int32", (h // 16,)),
+        Buffer("route_done", "int32", (1,)),  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
@@ -333,7 +344,6 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),
         Assert(f"({h} / 32) % {ksplit} == 0 && ({h} / 32) / {ksplit} >= {WARPS}", "router K split into whole chunks"),
         Assert(f"{k} <= 32", "route: one choice per lane"),
-        Assert(f"{e} <= 1024", "route: one thread per expert in the slot numbering"),
     )
     return Plan(
         arch=spec.arch, hidden=h, experts=e, top_k=k, inter=i, shared_inter=si, shared_gate=gated,

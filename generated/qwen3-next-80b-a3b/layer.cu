@@ -4,7 +4,7 @@
 // E=512 routed experts, top-10, H=2048, I=512, shared expert I=512 (sigmoid gate).
 // Routing: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 6291456 bytes.
-// Kernels per call: router -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -57,6 +57,10 @@ MOE_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
   const u32 dst = (u32)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
+}
+// Ask L2 to fetch [p, p + bytes) from memory now (sm_90 bulk prefetch; bytes a multiple of 16).
+MOE_DEVICE void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -162,15 +166,173 @@ struct TileGemv {
   }
 };
 
+// ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
+// One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
+// numbered in ascending expert order (slots) and each (token, choice) pair gets a row in its
+// expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
+// counters give, which changes no result: each token's row is computed independently.
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
+          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
+MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
+                           float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                           float* __restrict__ gate_s, int* __restrict__ num_slots,
+                           int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                           int* __restrict__ slot_token, float scale, int n) {
+  constexpr int EPL = (E + 31) / 32;
+  __shared__ int cnt[E];
+  __shared__ int cursor[E];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
+  __syncthreads();
+  for (int tk = warp; tk < n; tk += THREADS / 32) {
+    float v[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      float s = MOE_NEG_INF;
+      if (e < E) {
+        s = 0.0f;
+#pragma unroll
+        for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
+        if (LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+      }
+      v[i] = s;
+    }
+    if (!SELECT_LOGITS) {  // softmax over all experts, then top-k on the probabilities
+      float mx = MOE_NEG_INF;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+      mx = warp_max(mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        v[i] = (lane + 32 * i < E) ? expf(v[i] - mx) : 0.0f;
+        sum += v[i];
+      }
+      sum = warp_sum(sum);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = (lane + 32 * i < E) ? v[i] / sum : MOE_NEG_INF;
+    }
+    // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
+    // expert index holding it (equal values: the lower expert index wins).
+    float my_v = 0.0f;
+    int my_e = 0;
+    for (int j = 0; j < K; ++j) {
+      float bv = MOE_NEG_INF;
+      int be = 0x7fffffff;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (v[i] > bv) { bv = v[i]; be = lane + 32 * i; }
+      const u32 key = order_key(bv);
+      const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+      be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
+      bv = __shfl_sync(0xffffffffu, bv, be & 31);
+      if (lane == j) { my_v = bv; my_e = be; }
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane + 32 * i == be) v[i] = MOE_NEG_INF;
+    }
+    float w = my_v;
+    if (SELECT_LOGITS) {  // softmax over the k chosen logits; lane 0 holds the largest
+      const float top = __shfl_sync(0xffffffffu, my_v, 0);
+      w = lane < K ? expf(my_v - top) : 0.0f;
+      w = w / warp_sum(w);
+    }
+    if (RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    w *= scale;
+    if (lane < K) {
+      topk_ids[tk * K + lane] = my_e;
+      topk_w[tk * K + lane] = w;
+      atomicAdd(&cnt[my_e], 1);
+    }
+    if (SHARED_GATE && lane == 0) {
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + E);
+      gate_s[tk] = 1.0f / (1.0f + expf(-s));
+    }
+  }
+  __syncthreads();
+  {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix
+    // sum over the experts, THREADS at a time
+    __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
+    int carry_c = 0, carry_f = 0;
+    for (int base = 0; base < E; base += THREADS) {
+      const int e = base + threadIdx.x;
+      const int c = e < E ? cnt[e] : 0, f = c > 0;
+      int ci = c, fi = f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
+        if (lane >= o) { ci += co; fi += fo; }
+      }
+      if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
+      __syncthreads();
+      if (warp == 0) {
+        int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
+          if (lane >= o) { wc += co; wf += fo; }
+        }
+        if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
+      }
+      __syncthreads();
+      if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
+      ci += carry_c;
+      fi += carry_f;
+      if (f) {
+        slot_expert[fi - 1] = e;
+        slot_begin[fi - 1] = ci - c;
+        cursor[e] = ci - c;
+      }
+      carry_c += warp_c[THREADS / 32 - 1];
+      carry_f += warp_f[THREADS / 32 - 1];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      *num_slots = carry_f;
+      slot_begin[carry_f] = carry_c;
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n * K; p += THREADS) {
+    const int pos = atomicAdd(&cursor[topk_ids[p]], 1);
+    pair_pos[p] = pos;
+    slot_token[pos] = p / K;
+  }
+}
+
+
+// The route as its own one-block kernel (token buckets too large for the fused form).
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
+          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
+MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* __restrict__ topk_ids,
+                                  float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                                  float* __restrict__ gate_s, int* __restrict__ num_slots,
+                                  int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                                  int* __restrict__ slot_token, float scale, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SELECT_LOGITS, RENORM, LOGITS_BF16, SHARED_GATE, THREADS>(
+      logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, scale, n);
+}
+
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
 // Every block streams one 16-row weight tile once and applies it to all tokens that need it.
 
 // Router logits (and the shared-expert gate logit as row E): rows of the packed router matrix
-// times every token. K is split over KSPLIT blocks per tile; the route kernel adds the KSPLIT
-// partial sums in a fixed order (no atomics).
-template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX>
+// times every token. K is split over KSPLIT blocks per tile; the route adds the KSPLIT partial
+// sums in a fixed order (no floating-point atomics). With ROUTE, the last block to finish (an
+// integer counter) routes the tokens itself: one launch fewer on the small-batch path.
+template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX, bool ROUTE, int E, int K,
+          bool SELECT_LOGITS, bool RENORM, bool LOGITS_BF16, bool SHARED_GATE>
 MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
-                                   float* __restrict__ logits, int n) {
+                                   float* logits, int* route_done, int* __restrict__ topk_ids,
+                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
+                                   int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                                   int* __restrict__ slot_token, float scale, int n) {
   constexpr int KC_PART = KC / KSPLIT;
   using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
   __shared__ uint4 red[G::SMEM_BYTES / 16];
@@ -186,6 +348,20 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
       if (tk < n) logits[((size_t)part * NMAX + tk) * ROWS_PAD + tile * 16 + r] = G::result(red, j, 0, r, col);
     }
     __syncthreads();
+  }
+  if (ROUTE) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      is_last = atomicAdd(route_done, 1) == (int)gridDim.x - 1;
+      if (is_last) *route_done = 0;  // all blocks have counted: ready for the next call
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SELECT_LOGITS, RENORM, LOGITS_BF16, SHARED_GATE, WARPS * 32>(
+        logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, scale, n);
   }
 }
 
@@ -247,7 +423,8 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // The last block to finish a tile (a per-tile counter, integer atomics only) writes the tile of
 // the output: out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in
 // order, so the sum does not depend on which block came last.
-template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H, int K, bool SHARED_GATE>
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H, int K, bool SHARED_GATE,
+          bool PREFETCH>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
                           const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
@@ -259,9 +436,29 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
+  const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
+  if (PREFETCH) {
+    // The routing finished before the gate/up kernel could start this one, so the expert is
+    // known now: start pulling this block's weight tile into L2 while gate/up still runs.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint4* tile_ptr = nullptr;
+    if (blockIdx.x < routed_blocks) {
+      const int slot = blockIdx.x / TH;
+      if (slot < __ldcg(num_slots))
+        tile_ptr = w2 + ((size_t)__ldcg(slot_expert + slot) * TH + blockIdx.x % TH) * KC * 64;
+    } else if (KCS > 0) {
+      tile_ptr = ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * 64;
+    }
+    constexpr int KCB = (KCS > KC ? KCS : KC);
+    if (tile_ptr && lane == 0) {
+      const int kc = blockIdx.x < routed_blocks ? KC : KCS;
+      const int lo = warp * kc / WARPS, hi = (warp + 1) * kc / WARPS;
+      if (hi > lo) prefetch_l2(tile_ptr + (size_t)lo * 64, (u32)(hi - lo) * 1024u);
+    }
+    (void)KCB;
+  }
   grid_dep_wait();
   grid_dep_launch();
-  const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
   const int slots = *num_slots;
   int tile;
   if (blockIdx.x < routed_blocks) {
@@ -313,137 +510,6 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   }
 }
 
-// ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
-// One block. Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
-// numbered in ascending expert order (slots) and each (token, choice) pair gets a row in its
-// expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
-// counters give, which changes no result: each token's row is computed independently.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
-          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
-MOE_DEVICE void route_body(const float* __restrict__ logits, int* __restrict__ topk_ids,
-                           float* __restrict__ topk_w, int* __restrict__ pair_pos,
-                           float* __restrict__ gate_s, int* __restrict__ num_slots,
-                           int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                           int* __restrict__ slot_token, float scale, int n) {
-  constexpr int EPL = (E + 31) / 32;
-  __shared__ int cnt[E];
-  __shared__ int cursor[E];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
-  grid_dep_wait();
-  grid_dep_launch();
-  __syncthreads();
-  for (int tk = warp; tk < n; tk += THREADS / 32) {
-    float v[EPL];
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const int e = lane + 32 * i;
-      float s = MOE_NEG_INF;
-      if (e < E) {
-        s = 0.0f;
-#pragma unroll
-        for (int p = 0; p < KSPLIT; ++p) s += logits[((size_t)p * NMAX + tk) * ROWS_PAD + e];
-        if (LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
-      }
-      v[i] = s;
-    }
-    if (!SELECT_LOGITS) {  // softmax over all experts, then top-k on the probabilities
-      float mx = MOE_NEG_INF;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
-      mx = warp_max(mx);
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        v[i] = (lane + 32 * i < E) ? expf(v[i] - mx) : 0.0f;
-        sum += v[i];
-      }
-      sum = warp_sum(sum);
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) v[i] = (lane + 32 * i < E) ? v[i] / sum : MOE_NEG_INF;
-    }
-    // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
-    // expert index holding it (equal values: the lower expert index wins).
-    float my_v = 0.0f;
-    int my_e = 0;
-    for (int j = 0; j < K; ++j) {
-      float bv = MOE_NEG_INF;
-      int be = 0x7fffffff;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        if (v[i] > bv) { bv = v[i]; be = lane + 32 * i; }
-      const u32 key = order_key(bv);
-      const u32 kmax = __reduce_max_sync(0xffffffffu, key);
-      be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
-      bv = __shfl_sync(0xffffffffu, bv, be & 31);
-      if (lane == j) { my_v = bv; my_e = be; }
-#pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        if (lane + 32 * i == be) v[i] = MOE_NEG_INF;
-    }
-    float w = my_v;
-    if (SELECT_LOGITS) {  // softmax over the k chosen logits; lane 0 holds the largest
-      const float top = __shfl_sync(0xffffffffu, my_v, 0);
-      w = lane < K ? expf(my_v - top) : 0.0f;
-      w = w / warp_sum(w);
-    }
-    if (RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
-    w *= scale;
-    if (lane < K) {
-      topk_ids[tk * K + lane] = my_e;
-      topk_w[tk * K + lane] = w;
-      atomicAdd(&cnt[my_e], 1);
-    }
-    if (SHARED_GATE && lane == 0) {
-      float s = 0.0f;
-#pragma unroll
-      for (int p = 0; p < KSPLIT; ++p) s += logits[((size_t)p * NMAX + tk) * ROWS_PAD + E];
-      gate_s[tk] = 1.0f / (1.0f + expf(-s));
-    }
-  }
-  __syncthreads();
-  {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix sum
-    __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
-    const int e = threadIdx.x;
-    const int c = e < E ? cnt[e] : 0, f = c > 0;
-    int ci = c, fi = f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
-      if (lane >= o) { ci += co; fi += fo; }
-    }
-    if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
-    __syncthreads();
-    if (warp == 0) {
-      int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
-        if (lane >= o) { wc += co; wf += fo; }
-      }
-      if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
-    }
-    __syncthreads();
-    if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
-    if (f) {
-      slot_expert[fi - 1] = e;
-      slot_begin[fi - 1] = ci - c;
-      cursor[e] = ci - c;
-    }
-    if (e == E - 1) {
-      *num_slots = fi;
-      slot_begin[fi] = ci;
-    }
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < n * K; p += THREADS) {
-    const int pos = atomicAdd(&cursor[topk_ids[p]], 1);
-    pair_pos[p] = pos;
-    slot_token[pos] = p / K;
-  }
-}
-
-
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
 // one thread writes one lane's 16-byte fragment. Rows past R are zero.
@@ -482,12 +548,11 @@ static_assert(512 % 32 == 0, "shared expert width: whole tiles and chunks");
 static_assert(528 % 16 == 0 && 528 >= 513, "router rows padded to whole tiles");
 static_assert((2048 / 32) % 4 == 0 && (2048 / 32) / 4 >= 4, "router K split into whole chunks");
 static_assert(10 <= 32, "route: one choice per lane");
-static_assert(512 <= 1024, "route: one thread per expert in the slot numbering");
 
 // ---- kernels of this layer ----
 // route: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize; tokens grouped by expert
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e512_k10_softmax_renorm_sgate_fp32_ks4_n256_sm_90a(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_body<512, 528, 10, 4, 256, false, true, false, true, 1024>(logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+  route_kernel_body<512, 528, 10, 4, 256, false, true, false, true, 1024>(logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
@@ -497,21 +562,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2>(src0, src1, dst, experts, rows, rows_pad, k);
 }
-// router: 528 rows x 2048, K split 4 ways, 8 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
-  router_logits_body<64, 1, 4, 8, 4, 528, 256>(wr, x, logits, n);
+// router: 528 rows x 2048, K split 4 ways, 8 tokens per pass; the last block routes
+extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_route_e512_k10_softmax_renorm_sgate_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 1, 4, 8, 4, 528, 256, true, 512, 10, false, true, false, true>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 32 tiles + shared 32 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt1_si512_nts1_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 32, 32, 512, 512>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt1_pf_si512_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<16, 16, 1, 1, 4, 8, 128, 2048, 10, true, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+// down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt1_si512_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 1, 1, 4, 8, 128, 2048, 10, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 1, 1, 4, 8, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 528 rows x 2048, K split 4 ways, 16 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
-  router_logits_body<64, 2, 4, 6, 4, 528, 256>(wr, x, logits, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 2, 4, 6, 4, 528, 256, false, 512, 10, false, true, false, true>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 32 tiles + shared 32 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt2_si512_nts2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
@@ -519,11 +588,11 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt2_si512_nts2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 2, 2, 4, 6, 128, 2048, 10, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 2, 2, 4, 6, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 528 rows x 2048, K split 4 ways, 32 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* __restrict__ logits, int n) {
-  router_logits_body<64, 4, 4, 4, 4, 528, 256>(wr, x, logits, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 4, 4, 4, 4, 528, 256, false, 512, 10, false, true, false, true>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 32 tiles + shared 32 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt4_si512_nts4_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
@@ -531,5 +600,5 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt4_si512_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 4, 4, 4, 4, 128, 2048, 10, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 4, 4, 4, 4, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
