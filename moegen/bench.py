@@ -134,7 +134,7 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
         if stages:
-            row["stages_us"] = _stage_times(timer, stack[0], xs[0], n)
+            row["stages_us"] = _stage_times(timer, stack, xs, n)
         rows.append(row)
     result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
               "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
@@ -145,33 +145,26 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     return 0
 
 
-def _stage_times(timer: _Timer, layer: Layer, x: Any, n: int) -> dict[str, float]:
-    """Each kernel of the bucket alone, replayed from a graph (its inputs left by a full call)."""
+def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> dict[str, float]:
+    """Time added by each kernel in the pipeline: graphs of the first j kernels of every layer,
+    j = 1 .. all, and the differences of their per-layer times (outputs are not valid here)."""
     from .arrays import view
 
-    layer(x, stream=int(timer.stream))
+    layer0 = stack[0]
+    bi = layer0._bucket_of[n]
+    launches = layer0.plan.buckets[bi].launches
     out: dict[str, float] = {}
-    xv = view(x, "x")
-    bi = layer._bucket_of[n]
-    for li, ln in enumerate(layer.plan.buckets[bi].launches):
-        def one(s: int, li: int = li, ln: Any = ln) -> None:
-            from cuda.core import LaunchConfig, launch
-
-            cfg = LaunchConfig(grid=layer._config(bi, li, n).grid, block=ln.block)
-            launch(layer._streams.get(s) or _Stream(s), cfg, layer._kernels[ln.kernel],
-                   *layer._args(ln.kernel, n, xv.ptr, layer.workspace.ptr("out")))
-        exe = timer.graph(one)
+    prev = 0.0
+    for j in range(1, len(launches) + 1):
+        def body(s: int, j: int = j) -> None:
+            for layer, x in zip(stack, xs):
+                layer._launch(n, view(x, "x").ptr, layer.workspace.ptr("out"), s, limit=j)
+        exe = timer.graph(body)
         timer.replay(exe)
-        out[layer.plan.kernel(ln.kernel).family] = timer.median_ms(lambda: timer.replay(exe), REPLAYS) * 1e3
+        t = timer.median_ms(lambda: timer.replay(exe), REPLAYS) * 1e3 / len(stack)
+        out[layer0.plan.kernel(launches[j - 1].kernel).family] = t - prev
+        prev = t
     return out
-
-
-class _Stream:
-    def __init__(self, h: int) -> None:
-        self.h = h
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.h)
 
 
 def _print(r: dict) -> None:

@@ -221,14 +221,14 @@ class Layer:
         self._launch(n, xv.ptr, out_ptr, stream_handle(stream))
         return result
 
-    def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int) -> None:
+    def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int, limit: int | None = None) -> None:
         from cuda.core import launch
 
         s = self._streams.get(stream)
         if s is None:
             s = self._streams[stream] = _StreamRef(stream)
         bi = self._bucket_of[n]
-        for li, ln in enumerate(self.plan.buckets[bi].launches):
+        for li, ln in enumerate(self.plan.buckets[bi].launches[:limit]):
             launch(s, self._config(bi, li, n), self._kernels[ln.kernel], *self._args(ln.kernel, n, x_ptr, out_ptr))
 
     def _config(self, bi: int, li: int, n: int) -> Any:

@@ -1,0 +1,565 @@
+"""CPU tests of the build: rendering, the generated/ golden files, NVRTC compiles, the cubin cache,
+located compile errors, and the all-or-nothing output directory. No GPU needed (NVRTC only)."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+import moegen
+import moegen.build as build_mod
+import moegen.nvrtc as nvrtc_mod
+from moegen.build import MANIFEST_FILE, BuildError, build, manifest, manifest_text, render_all, write_dir
+from moegen.nvrtc import Compiled, CompileError, cache_key, compile_cuda, nvrtc_version
+from moegen.plan import Plan, make_plan
+from moegen.render import CUDA_FILE, LAUNCHER_FILE
+from moegen.spec import Spec, load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+GENERATED = ROOT / "generated"
+QWEN = ROOT / "specs" / "qwen3-30b-a3b.yaml"
+ARCH = "sm_90a"
+STALE_HINT = "run `moegen build specs/*.yaml` and commit generated/"
+RESOURCE_FIELDS = ("registers", "smem_bytes", "stack_bytes", "spill_stores", "spill_loads")
+# The directory holding the moegen package these tests import, for child processes to import the same one.
+PKG_PARENT = str(Path(moegen.__file__).resolve().parent.parent)
+
+# A tiny kernel: the cache tests compile it in milliseconds.
+SMALL = 'extern "C" __global__ void moegen_cache_probe(float* p) { p[threadIdx.x] *= 2.0f; }\n'
+
+
+def ids(p: Path) -> str:
+    return p.stem
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own empty cubin cache; nothing here touches ~/.cache."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MOEGEN_CACHE", str(root))
+    return root
+
+
+@dataclass(frozen=True)
+class Made:
+    spec: Spec
+    plan: Plan
+    files: dict[str, str]
+    compiled: Compiled
+
+
+@pytest.fixture(scope="session")
+def made():
+    """spec path -> its spec, plan, rendered files and cubin; each spec is compiled once per session."""
+    memo: dict[Path, Made] = {}
+
+    def get(path: Path) -> Made:
+        if path not in memo:
+            spec = load_spec(path)
+            plan = make_plan(spec)
+            files = render_all(spec, plan)
+            display = f"generated/{spec.name}/{CUDA_FILE}"
+            memo[path] = Made(spec, plan, files, compile_cuda(files[CUDA_FILE], plan.arch, display, use_cache=False))
+        return memo[path]
+
+    return get
+
+
+def qwen_source() -> str:
+    spec = load_spec(QWEN)
+    return render_all(spec, make_plan(spec))[CUDA_FILE]
+
+
+def cache_entries(root: Path) -> list[str]:
+    """What the cache directory holds besides its lock files: entries and any leftovers."""
+    if not root.exists():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.name != "locks")
+
+
+def no_dot_entries(d: Path) -> list[str]:
+    """Temporary or backup directories the build leaves beside its output (there must be none)."""
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("."))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def test_catalog_is_not_empty():
+    assert len(SPECS) >= 10, f"specs/ should hold the model catalog, found {[p.name for p in SPECS]}"
+
+
+@pytest.mark.parametrize("path", SPECS, ids=ids)
+def test_rendering_is_deterministic(path: Path):
+    a = render_all(load_spec(path), make_plan(load_spec(path)))
+    b = render_all(load_spec(path), make_plan(load_spec(path)))
+    assert set(a) == {CUDA_FILE, LAUNCHER_FILE}
+    for name in a:
+        assert a[name].encode() == b[name].encode(), f"{path.stem}/{name} differs between two renderings"
+
+
+def test_rendering_does_not_depend_on_the_process():
+    """Another interpreter with another hash seed renders the same bytes (no set or id() order leaks in)."""
+    code = (
+        "import hashlib, json, sys\n"
+        "from moegen.build import render_all\nfrom moegen.plan import make_plan\nfrom moegen.spec import load_spec\n"
+        "out = {}\n"
+        "for p in sys.argv[1:]:\n"
+        "    s = load_spec(p)\n"
+        "    for n, t in render_all(s, make_plan(s)).items():\n"
+        "        out[f'{s.name}/{n}'] = hashlib.sha256(t.encode()).hexdigest()\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": PKG_PARENT}
+    r = subprocess.run([sys.executable, "-c", code, *map(str, SPECS)], env=env, capture_output=True, text=True, check=False,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    theirs = json.loads(r.stdout)
+    ours = {}
+    for p in SPECS:
+        s = load_spec(p)
+        for n, t in render_all(s, make_plan(s)).items():
+            ours[f"{s.name}/{n}"] = hashlib.sha256(t.encode()).hexdigest()
+    assert theirs == ours
+
+
+# ----------------------------------------------------------------------------- generated/ is up to date
+
+
+def stale_message(rel: str, committed: str, fresh: str) -> str:
+    diff = list(difflib.unified_diff(committed.splitlines(), fresh.splitlines(), f"committed {rel}", "fresh build",
+                                     lineterm="", n=1))
+    shown = "\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else "")
+    return f"generated/{rel} is stale: {STALE_HINT}\n{shown}"
+
+
+def test_generated_holds_one_directory_per_spec():
+    names = {load_spec(p).name for p in SPECS}
+    dirs = {p.name for p in GENERATED.iterdir() if p.is_dir()}
+    assert dirs == names, (f"generated/ has {sorted(dirs - names)} without a spec, lacks {sorted(names - dirs)}: "
+                           f"{STALE_HINT} (and remove directories of deleted specs)")
+    for d in dirs:
+        assert sorted(os.listdir(GENERATED / d)) == sorted([CUDA_FILE, LAUNCHER_FILE, MANIFEST_FILE]), d
+
+
+@pytest.mark.parametrize("path", SPECS, ids=ids)
+def test_generated_sources_are_up_to_date(path: Path):
+    spec = load_spec(path)
+    for name, fresh in render_all(spec, make_plan(spec)).items():
+        f = GENERATED / spec.name / name
+        assert f.is_file(), f"generated/{spec.name}/{name} is missing: {STALE_HINT}"
+        committed = f.read_bytes().decode()
+        assert committed == fresh, stale_message(f"{spec.name}/{name}", committed, fresh)
+
+
+def without_nvrtc_fields(m: dict) -> dict:
+    """The manifest less what depends on the local NVRTC (its version and ptxas's per-kernel report)."""
+    m = {k: v for k, v in m.items() if k != "nvrtc"}
+    m["kernels"] = [{k: v for k, v in kern.items() if k not in RESOURCE_FIELDS} for kern in m["kernels"]]
+    return m
+
+
+@pytest.mark.parametrize("path", SPECS, ids=ids)
+def test_generated_manifest_is_up_to_date(path: Path, made):
+    m = made(path)
+    f = GENERATED / m.spec.name / MANIFEST_FILE
+    assert f.is_file(), f"generated/{m.spec.name}/{MANIFEST_FILE} is missing: {STALE_HINT}"
+    committed_text = f.read_text()
+    fresh_text = manifest_text(m.spec, m.plan, m.compiled)
+    committed, fresh = json.loads(committed_text), json.loads(fresh_text)
+    rel = f"{m.spec.name}/{MANIFEST_FILE}"
+    if committed.get("nvrtc") == fresh["nvrtc"]:
+        assert committed_text == fresh_text, stale_message(rel, committed_text, fresh_text)
+    else:  # built with another NVRTC: registers and spills may differ, nothing else may
+        a, b = without_nvrtc_fields(committed), without_nvrtc_fields(fresh)
+        assert a == b, stale_message(rel, json.dumps(a, indent=1), json.dumps(b, indent=1))
+
+
+def test_stale_file_is_reported_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The up-to-date check itself fails on a stale file, and says what to run."""
+    spec = load_spec(QWEN)
+    fresh = render_all(spec, make_plan(spec))[CUDA_FILE]
+    stale = fresh.replace("static_assert", "static_assert /* edited */", 1)
+    fake = tmp_path / "generated"
+    (fake / spec.name).mkdir(parents=True)
+    (fake / spec.name / CUDA_FILE).write_text(stale)
+    (fake / spec.name / LAUNCHER_FILE).write_text(render_all(spec, make_plan(spec))[LAUNCHER_FILE])
+    monkeypatch.setattr(sys.modules[__name__], "GENERATED", fake)
+    with pytest.raises(AssertionError) as ei:
+        test_generated_sources_are_up_to_date(QWEN)
+    assert "moegen build specs/*.yaml" in str(ei.value)
+    assert f"generated/{spec.name}/{CUDA_FILE} is stale" in str(ei.value)
+
+
+# ----------------------------------------------------------------------------- NVRTC: every spec compiles
+
+
+@pytest.mark.parametrize("path", SPECS, ids=ids)
+def test_spec_compiles_without_spills_or_stack(path: Path, made):
+    m = made(path)
+    assert m.compiled.cubin[:4] == b"\x7fELF"
+    res = m.compiled.resources
+    assert set(res) == {k.name for k in m.plan.kernels}, "ptxas -v did not report every kernel"
+    bad = {n: r for n, r in res.items() if r.spill_stores or r.spill_loads or r.stack_bytes}
+    assert not bad, f"{path.stem}: kernels that spill or use a stack frame: {bad}"
+    assert all(r.registers > 0 for r in res.values())
+
+
+# ----------------------------------------------------------------------------- kernel names
+
+
+C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def variant(path: Path, dotted: str, value: object) -> Plan:
+    data = yaml.safe_load(path.read_text())
+    obj = data
+    *parents, last = dotted.split(".")
+    for k in parents:
+        obj = obj.setdefault(k, {})
+    obj[last] = value
+    return make_plan(parse_spec(data, f"{path.name} with {dotted}={value}"))
+
+
+def names_by_family(plan: Plan) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for k in plan.kernels:
+        out.setdefault(k.family, set()).add(k.name)
+    return out
+
+
+def test_kernel_names_are_readable_c_identifiers_carrying_the_shape():
+    spec = load_spec(QWEN)
+    plan = make_plan(spec)
+    names = [k.name for k in plan.kernels]
+    assert len(set(names)) == len(names), "two kernels of one layer share a name"
+    for k in plan.kernels:
+        assert C_IDENT.match(k.name) and k.name.startswith("moe_") and k.name.endswith(spec.arch), k.name
+        parts = k.name.split("_")
+        want = {"router": [f"h{plan.hidden}"],
+                "route": [f"e{plan.experts}", f"k{plan.top_k}"],
+                "gate_up": [f"e{plan.experts}", f"h{plan.hidden}", f"i{plan.inter}"],
+                "down": [f"e{plan.experts}", f"h{plan.hidden}", f"i{plan.inter}", f"k{plan.top_k}"]}
+        missing = [w for w in want.get(k.family, []) if w not in parts]
+        assert not missing, f"{k.name} ({k.family}) does not carry {missing}"
+
+
+# field, new value, the kernel families whose code that field shapes (their names must change)
+NAME_CHANGES = [
+    ("hidden_size", 4096, {"router", "gate_up", "down"}),
+    ("experts.count", 64, {"router", "route", "gate_up", "down"}),
+    ("experts.top_k", 4, {"route", "down"}),
+    ("experts.intermediate_size", 1024, {"gate_up", "down"}),
+]
+
+
+@pytest.mark.parametrize("dotted,value,families", NAME_CHANGES, ids=[c[0] for c in NAME_CHANGES])
+def test_changing_a_shape_changes_the_kernel_names(dotted: str, value: object, families: set[str]):
+    base = names_by_family(make_plan(load_spec(QWEN)))
+    changed = names_by_family(variant(QWEN, dotted, value))
+    for fam in families:
+        assert base[fam].isdisjoint(changed[fam]), (
+            f"{dotted}={value} changes the {fam} kernels but not their names: {sorted(base[fam] & changed[fam])}")
+    assert base["pack"] == changed["pack"], "the weight packing kernels do not depend on the shapes"
+
+
+# Spec changes that reshape some kernel; across all of them and the whole catalog, one name must
+# always mean one kernel (FlashInfer's rule: every codegen parameter is in the name).
+SHAPING_CHANGES = [*((d, v) for d, v, _ in NAME_CHANGES),
+                   ("max_tokens", 128), ("routing.routed_scaling_factor", 2.5), ("routing.renormalize", False),
+                   ("router.logits_dtype", "bf16"), ("shared_expert", {"intermediate_size": 1024, "gate": "sigmoid"}),
+                   ("shared_expert", {"intermediate_size": 1024, "gate": "none"})]
+
+
+@pytest.mark.parametrize("dotted,value", SHAPING_CHANGES, ids=[f"{d}={v}" for d, v in SHAPING_CHANGES])
+def test_a_kernel_name_means_one_kernel(dotted: str, value: object):
+    seen: dict[str, tuple] = {}
+    plans = [make_plan(load_spec(p)) for p in SPECS] + [variant(QWEN, dotted, value)]
+    clashes = []
+    for plan in plans:
+        for k in plan.kernels:
+            code = (k.family, k.threads, k.targs, k.params, k.args, k.body)
+            if seen.setdefault(k.name, code) != code:
+                clashes.append(k.name)
+    assert not clashes, f"with {dotted}={value}, one name stands for different code: {sorted(set(clashes))}"
+
+
+# ----------------------------------------------------------------------------- the cubin cache
+
+
+def test_second_compile_is_a_hit(cache: Path):
+    a = compile_cuda(SMALL, ARCH)
+    b = compile_cuda(SMALL, ARCH)
+    assert (a.cached, b.cached) == (False, True)
+    assert a.cubin == b.cubin and a.key == b.key and a.resources == b.resources
+    assert "moegen_cache_probe" in a.resources
+    assert cache_entries(cache) == [a.key]
+
+
+def test_changed_source_misses(cache: Path):
+    a = compile_cuda(SMALL, ARCH)
+    b = compile_cuda(SMALL + "// one more comment\n", ARCH)
+    assert not b.cached and b.key != a.key
+    assert cache_entries(cache) == sorted([a.key, b.key])
+
+
+def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch):
+    k = cache_key(SMALL, ARCH)
+    assert k == cache_key(SMALL, ARCH) and re.fullmatch(r"[0-9a-f]{64}", k)
+    assert cache_key(SMALL + " ", ARCH) != k
+    assert cache_key(SMALL, "sm_90") != k
+    monkeypatch.setattr(nvrtc_mod, "nvrtc_version", lambda: "99.9")
+    assert cache_key(SMALL, ARCH) != k
+    monkeypatch.undo()
+    monkeypatch.setattr(nvrtc_mod, "__version__", "0.0.0-other")
+    assert cache_key(SMALL, ARCH) != k
+    monkeypatch.undo()
+    monkeypatch.setattr(nvrtc_mod, "options_of", lambda arch: {"arch": arch, "std": "c++20", "ptxas_options": ["-v"]})
+    assert cache_key(SMALL, ARCH) != k
+
+
+def damage_truncate(entry: Path) -> None:
+    with open(entry / "layer.cubin", "r+b") as f:
+        f.truncate(100)
+
+
+def damage_overwrite(entry: Path) -> None:
+    (entry / "layer.cubin").write_bytes(b"\x7fELF" + b"\0" * 64)
+
+
+def damage_empty(entry: Path) -> None:
+    (entry / "layer.cubin").write_bytes(b"")
+
+
+def damage_no_meta(entry: Path) -> None:
+    (entry / "meta.json").unlink()
+
+
+def damage_bad_meta(entry: Path) -> None:
+    (entry / "meta.json").write_text("[1, 2")
+
+
+def damage_meta_not_a_dict(entry: Path) -> None:
+    (entry / "meta.json").write_text("[1, 2]")
+
+
+def damage_no_cubin(entry: Path) -> None:
+    (entry / "layer.cubin").unlink()
+
+
+DAMAGES = [damage_truncate, damage_overwrite, damage_empty, damage_no_meta, damage_bad_meta, damage_meta_not_a_dict,
+           damage_no_cubin]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.removeprefix("damage_"))
+def test_corrupt_entry_is_rebuilt_not_loaded(cache: Path, damage):
+    good = compile_cuda(SMALL, ARCH)
+    damage(cache / good.key)
+    again = compile_cuda(SMALL, ARCH)
+    assert not again.cached, "a damaged entry was loaded"
+    assert again.cubin == good.cubin
+    assert (cache / good.key / "layer.cubin").read_bytes() == good.cubin, "the entry was not rewritten"
+    third = compile_cuda(SMALL, ARCH)
+    assert third.cached and third.cubin == good.cubin
+    assert cache_entries(cache) == [good.key]
+
+
+def test_entry_of_another_key_is_not_loaded(cache: Path):
+    """A valid entry copied under the wrong name (content addressing broken) is rebuilt."""
+    a = compile_cuda(SMALL, ARCH)
+    other = SMALL + "// other\n"
+    key = cache_key(other, ARCH)
+    (cache / a.key).rename(cache / key)
+    b = compile_cuda(other, ARCH)
+    assert not b.cached and b.key == key
+
+
+def _compile_in_child(source: str, cache_root: str, barrier, results) -> None:
+    os.environ["MOEGEN_CACHE"] = cache_root
+    from moegen.nvrtc import compile_cuda as compile_
+
+    barrier.wait(timeout=60)  # both processes reach the cache at the same moment
+    c = compile_(source, ARCH)
+    results.put((c.cached, hashlib.sha256(c.cubin).hexdigest(), c.key))
+
+
+def test_concurrent_compiles_of_one_source(cache: Path):
+    source = qwen_source() + "// concurrent test\n"  # a real layer: long enough for the two to overlap
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_compile_in_child, args=(source, str(cache), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [results.get(timeout=10) for _ in procs]
+    assert sorted(g[0] for g in got) == [False, True], f"the lock did not make one process wait for the other: {got}"
+    assert got[0][1:] == got[1][1:], "the two processes got different cubins"
+    key = got[0][2]
+    assert cache_entries(cache) == [key], "expected one entry and no temporary directories"
+    hit = compile_cuda(source, ARCH)
+    assert hit.cached and hashlib.sha256(hit.cubin).hexdigest() == got[0][1]
+
+
+# ----------------------------------------------------------------------------- compile errors
+
+
+PLANTED = "__device__ void planted_error() { int x = ; }\n"
+
+
+def planted(source: str) -> tuple[str, int]:
+    """The source with a syntax error at file scope; and its 1-based line."""
+    lines = source.splitlines(keepends=True)
+    n = next(i for i, line in enumerate(lines) if line.startswith('extern "C"'))
+    lines.insert(n, PLANTED)
+    return "".join(lines), n + 1
+
+
+def test_compile_error_is_located(cache: Path):
+    bad, line = planted(qwen_source())
+    display = "generated/qwen3-30b-a3b/layer.cu"
+    with pytest.raises(CompileError) as ei:
+        compile_cuda(bad, ARCH, display=display)
+    msg = str(ei.value)
+    first = msg.splitlines()[0]
+    assert first.startswith(f"{display}:{line}: error: "), first
+    assert "expected an expression" in first
+    excerpt_line = rf"^>\s*{line} \| {re.escape(PLANTED.rstrip())}$"
+    assert re.search(excerpt_line, msg, re.MULTILINE), "no numbered excerpt with the failing line"
+    assert re.search(rf"^ \s*{line - 1} \| ", msg, re.MULTILINE) and re.search(rf"^ \s*{line + 1} \| ", msg, re.MULTILINE)
+    assert "full log:" in msg and f"layer.cu({line}): error" in msg, "the full NVRTC log is missing"
+    assert "\x00" not in msg
+    assert cache_entries(cache) == [], "a failed compile left something in the cache"
+
+
+def test_compile_error_without_cache(cache: Path):
+    bad, line = planted(qwen_source())
+    with pytest.raises(CompileError, match=rf"^x/layer.cu:{line}: error"):
+        compile_cuda(bad, ARCH, display="x/layer.cu", use_cache=False)
+    assert not cache.exists()
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def test_build_writes_exactly_the_generated_files(tmp_path: Path):
+    out = tmp_path / "out"
+    r = build(QWEN, out)
+    d = out / r.spec.name
+    assert r.out_dir == d and sorted(os.listdir(out)) == [r.spec.name]
+    assert sorted(os.listdir(d)) == sorted([CUDA_FILE, LAUNCHER_FILE, MANIFEST_FILE])
+    files = render_all(r.spec, r.plan)
+    for name, text in files.items():
+        assert (d / name).read_text() == text
+    m = json.loads((d / MANIFEST_FILE).read_text())
+    assert m["spec_sha256"] == load_spec(QWEN).digest()
+    assert m["moegen"] == moegen.__version__ and m["nvrtc"] == nvrtc_version() and m["arch"] == ARCH
+    assert [k["name"] for k in m["kernels"]] == [k.name for k in r.plan.kernels]
+    for k in m["kernels"]:
+        missing = [f for f in RESOURCE_FIELDS if not isinstance(k.get(f), int)]
+        assert not missing and k["registers"] > 0, f"{k['name']}: no {missing} in the manifest"
+    names = {k.name for k in r.plan.kernels}
+    assert [b["max_tokens"] for b in m["buckets"]] == [b.max_tokens for b in r.plan.buckets]
+    for b in m["buckets"]:
+        assert b["launches"], b
+        for ln in b["launches"]:
+            assert ln["kernel"] in names and len(ln["grid"]) == 2 and ln["block"] > 0
+    assert m == json.loads(json.dumps(manifest(r.spec, r.plan, r.compiled)))
+
+
+def test_rebuild_is_a_cache_hit_with_identical_bytes(tmp_path: Path):
+    first = build(QWEN, tmp_path / "a")
+    second = build(QWEN, tmp_path / "b")
+    assert not first.compiled.cached and second.compiled.cached
+    for name in (CUDA_FILE, LAUNCHER_FILE, MANIFEST_FILE):
+        assert (first.out_dir / name).read_bytes() == (second.out_dir / name).read_bytes(), name
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_failed_compile_leaves_the_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    out = tmp_path / "out"
+    r = build(QWEN, out)
+    before = snapshot(r.out_dir)
+    real = build_mod.render_all
+
+    def broken(spec, plan):
+        files = real(spec, plan)
+        files[CUDA_FILE] = planted(files[CUDA_FILE])[0]
+        return files
+
+    monkeypatch.setattr(build_mod, "render_all", broken)
+    with pytest.raises(CompileError, match=re.escape(str(r.out_dir / CUDA_FILE))):
+        build(QWEN, out)
+    assert snapshot(r.out_dir) == before
+    assert no_dot_entries(out) == [] and sorted(os.listdir(out)) == [r.spec.name]
+    with pytest.raises(CompileError):
+        build(QWEN, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists(), "a failed build created its output directory"
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file", "name_is_a_file"])
+def test_unwritable_output_is_one_clear_error(tmp_path: Path, where: str):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory\n")
+    if where == "under_a_file":
+        out = blocker / "sub"
+    elif where == "a_file":
+        out = blocker
+    else:
+        out = tmp_path / "root"
+        out.mkdir()
+        (out / "qwen3-30b-a3b").write_text("a file where the output directory goes\n")
+    with pytest.raises(BuildError) as ei:
+        build(QWEN, out)
+    msg = str(ei.value)
+    assert "\n" not in msg and str(out) in msg and "not a directory" in msg, msg
+    assert blocker.read_text() == "not a directory\n"
+    left = {"cache", "file"} | ({"root"} if where == "name_is_a_file" else set())
+    assert {p.name for p in tmp_path.iterdir()} <= left, "the failed build created something"
+    if where == "name_is_a_file":
+        assert os.listdir(out) == ["qwen3-30b-a3b"]
+
+
+def test_failed_swap_restores_the_previous_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    out_dir = tmp_path / "out" / "layer"
+    write_dir(out_dir, {"a.txt": "old\n"})
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(src).name.startswith(".layer.") and ".old-" not in Path(src).name:
+            raise OSError(28, "No space left on device")  # the new directory cannot be moved in
+        return real(src, dst)
+
+    monkeypatch.setattr(build_mod.os, "replace", failing)
+    with pytest.raises(BuildError, match="No space left on device"):
+        write_dir(out_dir, {"a.txt": "new\n", "b.txt": "new\n"})
+    monkeypatch.undo()
+    assert snapshot(out_dir) == {"a.txt": b"old\n"}
+    assert no_dot_entries(out_dir.parent) == []
+    write_dir(out_dir, {"a.txt": "new\n"})
+    assert snapshot(out_dir) == {"a.txt": b"new\n"} and no_dot_entries(out_dir.parent) == []
+
+
+def test_unsupported_arch_is_a_spec_error_naming_the_field(tmp_path: Path):
+    from moegen.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"\barch\b.*sm_90a"):
+        build(QWEN, tmp_path / "out", arch="sm_80")
+    assert not (tmp_path / "out").exists()
+    assert build(QWEN, tmp_path / "out", arch="sm_90a").plan.arch == "sm_90a"
