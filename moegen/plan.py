@@ -26,6 +26,7 @@ STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
 ROUTE_THREADS = 1024  # the route kernel: one warp per token
+DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
 MAX_NT = 4  # token groups of 8 per pass: 4 keeps the accumulators in registers
 
@@ -87,6 +88,7 @@ class PackedWeight:
     name: str
     sources: tuple[str, ...]  # Hugging Face tensor names: MATS matrices per tile, or rows concatenated
     mats: int
+    interleaved: bool  # the MATS matrices are consecutive 16-row tiles of the one source
     experts: int  # 0: not per expert
     rows: int  # rows of each source matrix (per expert)
     rows_padded: int
@@ -261,7 +263,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + ("_pf" if prefetch else "") + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
-            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(1, max(nt, nts)), h // 16, h, k)), _b(gated), _b(prefetch)),
+            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(DOWN_TILES, max(nt, nts)), DOWN_TILES, h // (16 * DOWN_TILES), h, k)), _b(gated), _b(prefetch)),
             params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
                     "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
                     "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
@@ -278,15 +280,16 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         ))
         return name
 
-    for mats in (1, 2):
-        name = f"moe_pack_tiles_m{mats}_{spec.arch}"
+    for mats, inter in ((1, False), (2, False), (DOWN_TILES, True)):
+        name = f"moe_pack_tiles_m{mats}{'_interleaved' if inter else ''}_{spec.arch}"
         kernels[name] = Kernel(
-            name, "pack", PACK_THREADS, targs=(str(mats),),
+            name, "pack", PACK_THREADS, targs=(str(mats), _b(inter)),
             params=("const bf16_t* __restrict__ src0", "const bf16_t* __restrict__ src1", "uint4* __restrict__ dst",
                     "int experts", "int rows", "int rows_pad", "int k"),
             args=("src0", "src1", "dst", "experts", "rows", "rows_pad", "k"),
             arg_keys=("src0", "src1", "dst", "experts", "rows", "rows_pad", "k"),
-            body="pack_body", comment=f"weight packing, {mats} matrices per tile (runs once, at load)",
+            body="pack_body", comment=f"weight packing, {mats} {'consecutive tiles' if inter else 'matrices'} per tile"
+            " (runs once, at load)",
         )
 
     buckets = []
@@ -297,6 +300,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
         nt_routed = nt_dense if si else _nt(min(nb, 2 * math.ceil(nb * k / e)))
         fused = nb <= FUSED_ROUTE_MAX
+        groups = h // (16 * DOWN_TILES)
         # The down kernel's blocks start (programmatic launch) while gate/up streams; when the
         # down weights they will read fit in half of L2 they prefetch them there meanwhile.
         prefetch = (slots * h * i + h * si) * 2 <= target.l2_bytes // 2
@@ -304,7 +308,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
             Launch(router(nt_dense, fused), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=True),
             *(() if fused else (Launch(route_name, (1, 1), ROUTE_THREADS, pdl=True),)),
             Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
-            Launch(down(nt_routed, nt_dense, prefetch), (slots * (h // 16) + (h // 16 if si else 0), 1), WARPS * 32, pdl=True),
+            Launch(down(nt_routed, nt_dense, prefetch), (slots * groups + (groups if si else 0), 1), WARPS * 32,
+                   pdl=True),
         )
         buckets.append(Bucket(nb, launches))
 
@@ -322,23 +327,23 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("act_s", "uint16", (nmax, max(si, 1))),
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
-        Buffer("tile_done", "int32", (h // 16,)),
+        Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),
         Buffer("route_done", "int32", (1,)),  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
     weights = [
-        PackedWeight("router", router_sources, 1, 0, e + int(gated), rows_pad, h),
-        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, e, i, i, h),
-        PackedWeight("w2", ("experts.down_proj",), 1, e, h, h, i),
+        PackedWeight("router", router_sources, 1, False, 0, e + int(gated), rows_pad, h),
+        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h),
+        PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i),
     ]
     if sh:
         weights += [
-            PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, 0, si, si, h),
-            PackedWeight("ws2", ("shared_expert.down_proj",), 1, 0, h, h, si),
+            PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, False, 0, si, si, h),
+            PackedWeight("ws2", ("shared_expert.down_proj",), DOWN_TILES, True, 0, h, h, si),
         ]
     asserts = (
-        Assert(f"{h} % 32 == 0", "hidden size: whole 32-wide K chunks"),
+        Assert(f"{h} % 32 == 0", "hidden size: whole 32-wide K chunks and down row groups"),
         Assert(f"{i} % 32 == 0", "expert width: whole 16-row tiles and 32-wide K chunks"),
         Assert(f"{si} % 32 == 0", "shared expert width: whole tiles and chunks"),
         Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),

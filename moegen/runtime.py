@@ -144,7 +144,7 @@ class Layer:
         staged: dict[str, str] = {}
         sizes: dict[str, int] = {}
         for pw in plan.weights:
-            groups = [pw.sources] if (pw.mats == 1 and len(pw.sources) > 1) else [(s,) for s in pw.sources]
+            groups = [pw.sources] if (pw.mats == 1 and len(pw.sources) > 1) else [(s_,) for s_ in pw.sources]
             for grp in groups:
                 for src in grp:
                     staged[src] = grp[0]
@@ -156,8 +156,7 @@ class Layer:
                 for key, obj in pieces[src]:
                     dst = stage.ptr(staged[src]) + fill[staged[src]]
                     fill[staged[src]] += self._copy_in(obj, key, dst)
-        packed = Memory(self.device, {pw.name: max(pw.experts, 1) * pw.rows_padded * pw.cols * 2 * pw.mats
-                                      for pw in plan.weights})
+        packed = Memory(self.device, {pw.name: W.packed_nbytes(pw) for pw in plan.weights})
         for pw in plan.weights:
             self._pack(pw, stage, staged, packed)
         _ok(_driver().cuCtxSynchronize(), "packing weights")
@@ -186,9 +185,9 @@ class Layer:
     def _pack(self, pw: Any, stage: Memory, staged: dict[str, str], packed: Memory) -> None:
         from cuda.core import LaunchConfig, launch
 
-        units = max(pw.experts, 1) * (pw.rows_padded // 16) * (pw.cols // 32) * pw.mats * 64
-        kernel = self._kernels[f"moe_pack_tiles_m{pw.mats}_{self.plan.arch}"]
-        src1 = stage.ptr(staged[pw.sources[1]]) if pw.mats == 2 else 0
+        units = W.packed_nbytes(pw) // 16
+        kernel = self._kernels[f"moe_pack_tiles_m{pw.mats}{'_interleaved' if pw.interleaved else ''}_{self.plan.arch}"]
+        src1 = stage.ptr(staged[pw.sources[1]]) if len(pw.sources) == 2 and pw.mats == 2 else 0
         cfg = LaunchConfig(grid=min(-(-units // 256), 65535), block=256)
         launch(_StreamRef(0), cfg, kernel, np.uint64(stage.ptr(staged[pw.sources[0]])), np.uint64(src1),
                np.uint64(packed.ptr(pw.name)), np.int32(max(pw.experts, 1)), np.int32(pw.rows),

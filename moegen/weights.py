@@ -138,7 +138,21 @@ def pack(plan: Plan, sources: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     return out
 
 
+def packed_nbytes(pw: PackedWeight) -> int:
+    """Bytes of a packed weight: every 16-row tile of every source matrix, rows padded."""
+    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * 2
+    return per_matrix if pw.interleaved else per_matrix * pw.mats
+
+
 def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray:
+    if pw.interleaved:  # the MATS matrices of a group are its consecutive 16-row tiles
+        w = sources[pw.sources[0]]
+        lead, (r, k) = w.shape[:-2], w.shape[-2:]
+        p = np.zeros((*lead, pw.rows_padded, k), np.uint16)
+        p[..., :r, :] = w
+        p = p.reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, k)
+        mats = [p[..., m, :, :].reshape(*lead, pw.rows_padded // pw.mats, k) for m in range(pw.mats)]
+        return pack_tiles(mats, pw.rows_padded // pw.mats)
     if pw.mats == 1 and len(pw.sources) > 1:  # e.g. router rows then the shared-expert gate row
         return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded)
     return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded)

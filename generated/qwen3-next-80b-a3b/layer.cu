@@ -418,12 +418,13 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
   }
 }
 
-// Down projection of one 16-row tile of the hidden dimension for one expert's tokens:
-// y[p, h] = act[p, :] . d_h in fp32. Blocks past the routed slots do the shared expert.
-// The last block to finish a tile (a per-tile counter, integer atomics only) writes the tile of
-// the output: out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in
-// order, so the sum does not depend on which block came last.
-template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TH, int H, int K, bool SHARED_GATE,
+// Down projection of TPB 16-row tiles of the hidden dimension (one block: TPB*16 rows, packed
+// as TPB matrices per chunk) for one expert's tokens: y[p, h] = act[p, :] . d_h in fp32. Blocks
+// past the routed slots do the shared expert. The last block to finish a row group (a counter
+// per group, integer atomics only) writes that part of the output:
+// out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in order, so the
+// sum does not depend on which block came last.
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
           bool PREFETCH>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
@@ -431,76 +432,76 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                           const int* __restrict__ slot_begin, float* y, float* ys,
                           const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
                           const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  using GR = TileGemv<KC, 1, NT, WARPS, DEPTH>;
-  using GS = TileGemv<(KCS > 0 ? KCS : 1), 1, NTS, WARPS, DEPTH>;
+  constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
+  using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH>;
+  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH>;
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
   const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
   if (PREFETCH) {
     // The routing finished before the gate/up kernel could start this one, so the expert is
-    // known now: start pulling this block's weight tile into L2 while gate/up still runs.
+    // known now: start pulling this block's weights into L2 while gate/up still runs.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint4* tile_ptr = nullptr;
+    int kc = KC;
     if (blockIdx.x < routed_blocks) {
       const int slot = blockIdx.x / TH;
       if (slot < __ldcg(num_slots))
-        tile_ptr = w2 + ((size_t)__ldcg(slot_expert + slot) * TH + blockIdx.x % TH) * KC * 64;
-    } else if (KCS > 0) {
-      tile_ptr = ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * 64;
+        tile_ptr = w2 + ((size_t)__ldcg(slot_expert + slot) * TH + blockIdx.x % TH) * KC * TPB * 64;
+    } else {
+      tile_ptr = ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * TPB * 64;
+      kc = KCS;
     }
-    constexpr int KCB = (KCS > KC ? KCS : KC);
     if (tile_ptr && lane == 0) {
-      const int kc = blockIdx.x < routed_blocks ? KC : KCS;
       const int lo = warp * kc / WARPS, hi = (warp + 1) * kc / WARPS;
-      if (hi > lo) prefetch_l2(tile_ptr + (size_t)lo * 64, (u32)(hi - lo) * 1024u);
+      if (hi > lo) prefetch_l2(tile_ptr + (size_t)lo * TPB * 64, (u32)(hi - lo) * TPB * 1024u);
     }
-    (void)KCB;
   }
   grid_dep_wait();
   grid_dep_launch();
   const int slots = *num_slots;
-  int tile;
+  int group;
   if (blockIdx.x < routed_blocks) {
     const int slot = blockIdx.x / TH;
-    tile = blockIdx.x % TH;
+    group = blockIdx.x % TH;
     if (slot >= slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
-    const uint4* a = w2 + ((size_t)e * TH + tile) * KC * 64;
+    const uint4* a = w2 + ((size_t)e * TH + group) * KC * TPB * 64;
     const bf16_t* xa = act + (size_t)begin * KC * 32;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
       GR::run(a, xa, KC * 32, nullptr, n0, m, red);
-      for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
-        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-        if (tk < m) y[(size_t)(begin + tk) * H + tile * 16 + r] = GR::result(red, j, 0, r, col);
+      for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
+        const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < m) y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = GR::result(red, j, mt, r, col);
       }
       __syncthreads();
     }
   } else {
-    tile = blockIdx.x - routed_blocks;
-    const uint4* a = ws2 + (size_t)tile * KCS * 64;
+    group = blockIdx.x - routed_blocks;
+    const uint4* a = ws2 + (size_t)group * KCS * TPB * 64;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
       GS::run(a, act_s, KCS * 32, nullptr, n0, n, red);
-      for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
-        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-        if (tk < n) ys[(size_t)tk * H + tile * 16 + r] = GS::result(red, j, 0, r, col);
+      for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
+        const int mt = i / (NTS * 128), j = (i >> 7) % NTS, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < n) ys[(size_t)tk * H + group * ROWS + mt * 16 + r] = GS::result(red, j, mt, r, col);
       }
       __syncthreads();
     }
   }
-  // Publish this block's rows, then count it; the block that completes the tile combines it.
+  // Publish this block's rows, then count it; the block that completes the group combines it.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     const int expect = slots + (KCS > 0 ? 1 : 0);
-    is_last = atomicAdd(&tile_done[tile], 1) == expect - 1;
-    if (is_last) tile_done[tile] = 0;  // every block of this tile has counted: ready for the next call
+    is_last = atomicAdd(&tile_done[group], 1) == expect - 1;
+    if (is_last) tile_done[group] = 0;  // every block of this group has counted: ready for the next call
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {
-    const int tk = i >> 4, h = tile * 16 + (i & 15);
+  for (int i = threadIdx.x; i < n * ROWS; i += WARPS * 32) {
+    const int tk = i / ROWS, h = group * ROWS + i % ROWS;
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; ++j)
@@ -512,11 +513,12 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
-// one thread writes one lane's 16-byte fragment. Rows past R are zero.
-template <int MATS>
+// one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
+// matrices of a tile group are consecutive 16-row tiles of src0: [E][R_pad/(16*MATS)][K/32][MATS]...
+template <int MATS, bool INTERLEAVE>
 MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
                           uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  const int tiles = rows_pad / 16, chunks = k / 32;
+  const int tiles = rows_pad / (INTERLEAVE ? 16 * MATS : 16), chunks = k / 32;
   const long long total = (long long)experts * tiles * chunks * MATS * 64;
   for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
        u += (long long)gridDim.x * blockDim.x) {
@@ -527,14 +529,15 @@ MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restr
     const int chunk = (int)(r % chunks); r /= chunks;
     const int tile = (int)(r % tiles);
     const int e = (int)(r / tiles);
-    const bf16_t* src = (mt == 0 ? src0 : src1) + (size_t)e * rows * k;
+    const bf16_t* src = (INTERLEAVE || mt == 0 ? src0 : src1) + (size_t)e * rows * k;
+    const int row0 = INTERLEAVE ? (tile * MATS + mt) * 16 : tile * 16;
     const int g = lane >> 2, col = chunk * 32 + 8 * (lane & 3) + 4 * s;
     u32 v[4];
 #pragma unroll
     for (int q = 0; q < 2; ++q)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = tile * 16 + g + 8 * h;
+        const int row = row0 + g + 8 * h;
         v[q * 2 + h] = row < rows ? *reinterpret_cast<const u32*>(src + (size_t)row * k + col + 2 * q) : 0u;
       }
     dst[u] = make_uint4(v[0], v[1], v[2], v[3]);
@@ -542,7 +545,7 @@ MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restr
 }
 
 // ---- the plan's invariants, re-checked by the compiler ----
-static_assert(2048 % 32 == 0, "hidden size: whole 32-wide K chunks");
+static_assert(2048 % 32 == 0, "hidden size: whole 32-wide K chunks and down row groups");
 static_assert(512 % 32 == 0, "expert width: whole 16-row tiles and 32-wide K chunks");
 static_assert(512 % 32 == 0, "shared expert width: whole tiles and chunks");
 static_assert(528 % 16 == 0 && 528 >= 513, "router rows padded to whole tiles");
@@ -556,11 +559,15 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_e512_k10_softmax_re
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<1>(src0, src1, dst, experts, rows, rows_pad, k);
+  pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // weight packing, 2 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2>(src0, src1, dst, experts, rows, rows_pad, k);
+  pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// weight packing, 2 consecutive tiles per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // router: 528 rows x 2048, K split 4 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_route_e512_k10_softmax_renorm_sgate_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -572,11 +579,11 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt1_pf_si512_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 1, 1, 4, 8, 128, 2048, 10, true, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 1, 1, 4, 4, 2, 64, 2048, 10, true, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt1_si512_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 1, 1, 4, 8, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 1, 1, 4, 4, 2, 64, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 528 rows x 2048, K split 4 ways, 16 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -588,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt2_si512_nts2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 2, 2, 4, 6, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 2, 2, 4, 4, 2, 64, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 528 rows x 2048, K split 4 ways, 32 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -600,5 +607,5 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_nt4_si512_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 4, 4, 4, 4, 128, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<16, 16, 4, 4, 4, 3, 2, 64, 2048, 10, true, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }

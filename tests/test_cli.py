@@ -1,0 +1,207 @@
+"""CPU tests of the command line: `moegen build` succeeds with one line per spec, and every user
+mistake is one `moegen: error:` line on stderr, a non-zero status, no traceback, no files written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moegen
+import moegen.build as build_mod
+from moegen.cli import main
+from moegen.render import CUDA_FILE
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = ROOT / "specs" / "qwen3-30b-a3b.yaml"
+OLMOE = ROOT / "specs" / "olmoe-1b-7b.yaml"
+PKG_PARENT = str(Path(moegen.__file__).resolve().parent.parent)
+PREFIX = "moegen: error:"
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def cache(module_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """One cubin cache for this module's tests (each spec compiles once); never ~/.cache."""
+    monkeypatch.setenv("MOEGEN_CACHE", str(module_cache))
+    return module_cache
+
+
+def one_error(err: str) -> str:
+    """The error line; fails unless stderr holds exactly one `moegen: error:` line, first, and no traceback."""
+    lines = err.splitlines()
+    assert lines and lines[0].startswith(PREFIX), f"stderr does not start with {PREFIX!r}:\n{err}"
+    assert sum(line.startswith(PREFIX) for line in lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def files_under(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*")) if d.exists() else []
+
+
+def test_build_prints_one_line_per_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    out = tmp_path / "out"
+    assert main(["build", str(QWEN), str(OLMOE), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2, captured.out
+    for line, name in zip(lines, ["qwen3-30b-a3b", "olmoe-1b-7b"]):
+        assert line.startswith(f"{name}: ") and "kernels" in line and "0 spill bytes" in line
+        assert str(out / name) in line
+    assert captured.err == ""
+    assert sorted(p.name for p in out.iterdir()) == ["olmoe-1b-7b", "qwen3-30b-a3b"]
+
+
+def test_arch_sm90a_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["build", str(QWEN), "--arch", "sm_90a", "--out", str(tmp_path)]) == 0
+    assert "sm_90a" in capsys.readouterr().out
+    assert (tmp_path / "qwen3-30b-a3b" / CUDA_FILE).is_file()
+
+
+def test_second_build_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    main(["build", str(QWEN), "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert main(["build", str(QWEN), "--out", str(tmp_path)]) == 0
+    assert ", cached in " in capsys.readouterr().out
+    assert main(["build", str(QWEN), "--out", str(tmp_path), "--no-cache"]) == 0
+    assert ", compiled in " in capsys.readouterr().out
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+BAD_KEY = """\
+name: t
+model: test/model
+hidden_size: 2048
+experts:
+  count: 8
+  top_k: 2
+  intermediate_size: 1024
+  bogus_key: 1
+"""
+
+
+def case_missing_spec(tmp_path: Path) -> tuple[list[str], list[str]]:
+    p = tmp_path / "no-such.yaml"
+    return [str(p)], [str(p), "no such spec file"]
+
+
+def case_spec_is_a_directory(tmp_path: Path) -> tuple[list[str], list[str]]:
+    d = tmp_path / "adir.yaml"
+    d.mkdir()
+    return [str(d)], [str(d)]
+
+
+def case_unknown_key(tmp_path: Path) -> tuple[list[str], list[str]]:
+    p = write(tmp_path, "bad.yaml", BAD_KEY)
+    return [str(p)], [f"{p}:8", "experts.bogus_key", "unknown key"]
+
+
+def case_not_yaml(tmp_path: Path) -> tuple[list[str], list[str]]:
+    p = write(tmp_path, "bad.yaml", "name: [unclosed\n")
+    return [str(p)], [str(p), "not valid YAML"]
+
+
+def case_unsupported_arch(tmp_path: Path) -> tuple[list[str], list[str]]:
+    return [str(QWEN), "--arch", "sm_80"], ["arch", "sm_80", "sm_90a"]
+
+
+def case_out_under_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
+    f = write(tmp_path, "file", "x\n")
+    return [str(QWEN), "--out", str(f / "sub")], [str(f / "sub"), "not a directory"]
+
+
+def case_out_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
+    f = write(tmp_path, "file", "x\n")
+    return [str(QWEN), "--out", str(f)], [str(f), "not a directory"]
+
+
+def case_plan_refuses(tmp_path: Path) -> tuple[list[str], list[str]]:
+    p = write(tmp_path, "odd.yaml", BAD_KEY.replace("  bogus_key: 1\n", "").replace("2048", "2050"))
+    return [str(p)], [str(p), "hidden_size=2050"]
+
+
+def case_unusable_cache(tmp_path: Path) -> tuple[list[str], list[str]]:
+    f = write(tmp_path, "file", "x\n")
+    os.environ["MOEGEN_CACHE"] = str(f / "cache")  # restored by monkeypatch (the autouse fixture set it)
+    return [str(QWEN), "--out", str(tmp_path / "out")], [str(f / "cache"), "cubin cache", "--no-cache"]
+
+
+CASES = [case_missing_spec, case_spec_is_a_directory, case_unknown_key, case_not_yaml, case_unsupported_arch,
+         case_out_under_a_file, case_out_is_a_file, case_plan_refuses, case_unusable_cache]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__.removeprefix("case_"))
+def test_user_errors_are_one_line(case, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    args, wanted = case(tmp_path)
+    before = files_under(tmp_path)
+    assert main(["build", *args, *([] if "--out" in args else ["--out", str(tmp_path / "out")])]) != 0
+    captured = capsys.readouterr()
+    line = one_error(captured.err)
+    assert len(captured.err.splitlines()) == 1, f"expected one line:\n{captured.err}"
+    missing = [w for w in wanted if w not in line]
+    assert not missing, f"{line!r} does not say {missing}"
+    assert captured.out == ""
+    assert files_under(tmp_path) == before, "a failed build wrote files"
+
+
+def test_compile_error_is_one_line_then_the_details(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]):
+    out = tmp_path / "out"
+    assert main(["build", str(QWEN), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in (out / "qwen3-30b-a3b").iterdir()}
+    capsys.readouterr()
+    real = build_mod.render_all
+
+    def broken(spec, plan):
+        files = real(spec, plan)
+        files[CUDA_FILE] = files[CUDA_FILE].replace('extern "C"', "int planted_error = ;\nextern \"C\"", 1)
+        return files
+
+    monkeypatch.setattr(build_mod, "render_all", broken)
+    assert main(["build", str(QWEN), "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    line = one_error(err)
+    assert line.startswith(f"{PREFIX} {out / 'qwen3-30b-a3b' / CUDA_FILE}:") and ": error: " in line, line
+    assert all(x.startswith(" ") or not x for x in err.splitlines()[1:]), "details are indented under the line"
+    assert "full log:" in err
+    assert {p.name: p.read_bytes() for p in (out / "qwen3-30b-a3b").iterdir()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["qwen3-30b-a3b"], "temporary directories left behind"
+
+
+def run_moegen(*args: str, cache: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MOEGEN_CACHE": str(cache), "PYTHONPATH": PKG_PARENT}
+    return subprocess.run([sys.executable, "-m", "moegen", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_python_m_moegen_build(tmp_path: Path, cache: Path):
+    r = run_moegen("build", str(QWEN), "--out", str(tmp_path / "out"), cache=cache, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("qwen3-30b-a3b: ") and len(r.stdout.splitlines()) == 1, r.stdout
+    assert (tmp_path / "out" / "qwen3-30b-a3b" / "manifest.json").is_file()
+
+
+def test_python_m_moegen_error(tmp_path: Path, cache: Path):
+    r = run_moegen("build", "no/such/spec.yaml", cache=cache, cwd=tmp_path)
+    assert r.returncode == 1
+    assert one_error(r.stderr) == f"{PREFIX} no/such/spec.yaml: no such spec file"
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"moegen {moegen.__version__}"
