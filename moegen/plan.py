@@ -27,7 +27,6 @@ MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is con
 PACK_THREADS = 256
 ROUTE_THREADS = 1024  # the route kernel: one warp per token
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
-SMALL_DOWN_MAX = 8  # up to this many tokens the down kernel streams all hit experts per output tile
 FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
 MAX_NT = 4  # token groups of 8 per pass: 4 keeps the accumulators in registers
 
@@ -281,30 +280,6 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         ))
         return name
 
-    def down_small() -> str:
-        smax = min(e, SMALL_DOWN_MAX * k)
-        tables = (smax + 1) * 8 * 8 + e * 4
-        depth = max(2, min(MAX_DEPTH, (STATIC_SMEM - tables) // (WARPS * 3 * 512)))
-        name = f"moe_down_small_e{e}_h{h}_i{i}_k{k}" + (f"_si{si}" if si else "") + f"_{suffix}"
-        kernels.setdefault(name, Kernel(
-            name, "down", WARPS * 32,
-            targs=(*map(str, (kc_i, kc_s, WARPS, depth, DOWN_TILES, h // (16 * DOWN_TILES), h, i, max(si, 1), k,
-                              smax, e)), _b(gated)),
-            params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
-                    "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
-                    "const int* __restrict__ slot_expert", "const float* __restrict__ topk_w",
-                    "const int* __restrict__ topk_ids", "const int* __restrict__ pair_pos",
-                    "const float* __restrict__ gate_s", "bf16_t* __restrict__ out", "int n"),
-            args=("w2", "ws2", "act", "act_s", "num_slots", "slot_expert", "topk_w", "topk_ids", "pair_pos",
-                  "gate_s", "out", "n"),
-            arg_keys=("w.w2", "w.ws2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.topk_w",
-                      "ws.topk_ids", "ws.pair_pos", "ws.gate_s", "out", "n"),
-            body="down_small_body",
-            comment=f"down for up to {SMALL_DOWN_MAX} tokens: one block per 16-row output tile streams every hit"
-            " expert, weighted sum in registers",
-        ))
-        return name
-
     for mats, inter in ((1, False), (2, False), (DOWN_TILES, True)):
         name = f"moe_pack_tiles_m{mats}{'_interleaved' if inter else ''}_{spec.arch}"
         kernels[name] = Kernel(
@@ -326,14 +301,12 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         nt_routed = nt_dense if si else _nt(min(nb, 2 * math.ceil(nb * k / e)))
         fused = nb <= FUSED_ROUTE_MAX
         groups = h // (16 * DOWN_TILES)
-        # Few tokens: one block per output tile streams every hit expert (see down_small_body).
-        small = nb <= SMALL_DOWN_MAX and slots >= WARPS and not spec.batch_invariant
         launches = (
             Launch(router(nt_dense, fused), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=True),
             *(() if fused else (Launch(route_name, (1, 1), ROUTE_THREADS, pdl=True),)),
             Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
-            Launch(down_small(), (h // 16, 1), WARPS * 32, pdl=True) if small else
-            Launch(down(nt_routed, nt_dense), (slots * groups + (groups if si else 0), 1), WARPS * 32, pdl=True),
+            Launch(down(nt_routed, nt_dense), (slots * groups + (groups if si else 0), 1), WARPS * 32,
+                   pdl=True),
         )
         buckets.append(Bucket(nb, launches))
 

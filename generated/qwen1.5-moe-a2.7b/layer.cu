@@ -487,112 +487,6 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   }
 }
 
-// Small batches (N <= 8): one block per 16-row tile of the output streams that tile of every hit
-// expert's down matrix, then the shared expert's, back to back through one cp.async ring, and adds
-// the results weighted in registers: no intermediate y, no counters, no second pass. Token t is
-// column t of every product (zero where it did not choose the expert), so each token's sum runs
-// over its own experts in ascending expert order whatever the other tokens chose.
-template <int KC, int KCS, int WARPS, int DEPTH, int TPB, int TH, int H, int I, int IS, int K, int SMAX, int E,
-          bool SHARED_GATE>
-MOE_DEVICE void down_small_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
-                                const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
-                                const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
-                                const float* __restrict__ topk_w, const int* __restrict__ topk_ids,
-                                const int* __restrict__ pair_pos, const float* __restrict__ gate_s,
-                                bf16_t* __restrict__ out, int n) {
-  constexpr int FR = 3;  // per chunk and lane: 2 A fragments (k-steps) and the B fragment of 8 tokens
-  __shared__ uint4 ring[WARPS * DEPTH * FR * 32];
-  __shared__ int rowtab[SMAX + 1][8];  // act row of token t for slot s; -1: t did not choose it
-  __shared__ float wtab[SMAX + 1][8];  // t's routing weight for slot s (the gate for the shared expert)
-  __shared__ int slot_of[E];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x, group = tile / TPB, mt = tile % TPB;
-  grid_dep_wait();
-  grid_dep_launch();
-  const int slots = *num_slots;
-  for (int i = threadIdx.x; i < (SMAX + 1) * 8; i += WARPS * 32) {
-    rowtab[i / 8][i % 8] = -1;
-    wtab[i / 8][i % 8] = 0.0f;
-  }
-  for (int s = threadIdx.x; s < slots; s += WARPS * 32) slot_of[slot_expert[s]] = s;
-  __syncthreads();
-  for (int p = threadIdx.x; p < n * K; p += WARPS * 32) {
-    const int s = slot_of[topk_ids[p]];
-    rowtab[s][p / K] = pair_pos[p];
-    wtab[s][p / K] = topk_w[p];
-  }
-  if (KCS > 0 && threadIdx.x < n) {
-    rowtab[slots][threadIdx.x] = threadIdx.x;
-    wtab[slots][threadIdx.x] = SHARED_GATE ? gate_s[threadIdx.x] : 1.0f;
-  }
-  __syncthreads();
-
-  // This warp's items: chunks warp, warp + WARPS, ... of each slot in turn, then of the shared expert.
-  const int per = (KC - warp + WARPS - 1) / WARPS;
-  const int per_s = KCS > 0 ? (KCS - warp + WARPS - 1) / WARPS : 0;
-  const int total = slots * per + per_s;
-  uint4* my_ring = ring + warp * DEPTH * FR * 32 + lane;
-  auto issue = [&](int i) {
-    if (i < total) {
-      const uint4* a;
-      const bf16_t* b;
-      int row;
-      if (i < slots * per) {
-        const int s = i / per, c = warp + (i % per) * WARPS;
-        a = w2 + (((size_t)slot_expert[s] * TH + group) * KC + c) * TPB * 64 + mt * 64;
-        row = rowtab[s][g];
-        b = act + (size_t)(row < 0 ? 0 : row) * I + c * 32 + t * 8;
-      } else {
-        const int c = warp + (i - slots * per) * WARPS;
-        a = ws2 + ((size_t)group * KCS + c) * TPB * 64 + mt * 64;
-        row = rowtab[slots][g];
-        b = act_s + (size_t)(row < 0 ? 0 : row) * IS + c * 32 + t * 8;
-      }
-      uint4* st = my_ring + (i % DEPTH) * FR * 32;
-      cp_async16(st, a + lane, true);
-      cp_async16(st + 32, a + 32 + lane, true);
-      cp_async16(st + 64, b, row >= 0);
-    }
-    cp_async_commit();
-  };
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < DEPTH - 1; ++i) issue(i);
-  for (int i = 0; i < total; ++i) {
-    issue(i + DEPTH - 1);
-    cp_async_wait<DEPTH - 1>();
-    const uint4* st = my_ring + (i % DEPTH) * FR * 32;
-    const uint4 a0 = st[0], a1 = st[32], b = st[64];
-    mma_bf16(acc, a0, b.x, b.y);
-    mma_bf16(acc, a1, b.z, b.w);
-    const bool routed = i < slots * per;
-    if (routed ? (i % per == per - 1) : (i == total - 1)) {  // this warp's last chunk of the slot
-      const int s = routed ? i / per : slots;
-      const float w0 = wtab[s][2 * t], w1 = wtab[s][2 * t + 1];
-      sum[0] = fmaf(w0, acc[0], sum[0]);
-      sum[1] = fmaf(w1, acc[1], sum[1]);
-      sum[2] = fmaf(w0, acc[2], sum[2]);
-      sum[3] = fmaf(w1, acc[3], sum[3]);
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the warps' sums reuse the ring
-  float* red = reinterpret_cast<float*>(ring);
-  *reinterpret_cast<float4*>(red + warp * 128 + lane * 4) = make_float4(sum[0], sum[1], sum[2], sum[3]);
-  __syncthreads();
-  for (int i = threadIdx.x; i < 128; i += WARPS * 32) {
-    const int col = i >> 4, r = i & 15;
-    if (col < n) {
-      const int e = (((r & 7) * 4 + (col >> 1)) * 4) + (r >> 3) * 2 + (col & 1);
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) v += red[w * 128 + e];
-      out[(size_t)col * H + tile * 16 + r] = f32_to_bf16(v);
-    }
-  }
-}
-
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
 // one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
@@ -659,9 +553,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_si5632_nts1_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 88, 352, 1408, 5632>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
-// down for up to 8 tokens: one block per 16-row output tile streams every hit expert, weighted sum in registers
-extern "C" __global__ void __launch_bounds__(128) moe_down_small_e60_h2048_i1408_k4_si5632_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const float* __restrict__ topk_w, const int* __restrict__ topk_ids, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n) {
-  down_small_body<44, 176, 4, 7, 2, 64, 2048, 1408, 5632, 4, 32, 60, true>(w2, ws2, act, act_s, num_slots, slot_expert, topk_w, topk_ids, pair_pos, gate_s, out, n);
+// down: expert slots x 128 tiles of 1408 + shared (5632); the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_nt1_si5632_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<44, 176, 1, 1, 4, 4, 2, 64, 2048, 4, true>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 64 rows x 2048, K split 16 ways, 16 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
