@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 
-def load(path, device=None):  # noqa: ANN001, ANN201 - thin re-export, typed in runtime.load
+def load(path, device=None):
     """Load a generated layer directory (e.g. "generated/qwen3-30b-a3b") and return its Layer class."""
     from .runtime import load as _load
 

@@ -54,7 +54,7 @@ def view(obj: Any, name: str) -> View:
 
     try:
         v = StridedMemoryView(obj, stream_ptr=-1)
-    except Exception as exc:  # the producer refused (unsupported dtype, device, ...)
+    except Exception as exc:  # noqa: BLE001 - any producer refusal (dtype, device, ...) is the caller's error
         raise ArrayError(f"{name}: cannot read this array: {exc}") from None
     strides = tuple(v.strides) if v.strides is not None else None
     return View(int(v.ptr), tuple(v.shape), strides, _dtype_name(v.dtype), bool(v.is_device_accessible),

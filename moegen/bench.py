@@ -126,9 +126,9 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     rows = []
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
-        exe = timer.graph(lambda s: [layer(x, stream=s) for layer, x in zip(stack, xs)])
+        exe = timer.graph(lambda s, xs=xs: [layer(x, stream=s) for layer, x in zip(stack, xs)])
         timer.replay(exe)
-        ms = timer.median_ms(lambda: timer.replay(exe), REPLAYS) / layers
+        ms = timer.median_ms(lambda exe=exe: timer.replay(exe), REPLAYS) / layers
         distinct = [len(np.unique(layer.routing(n)[0])) for layer in stack]
         need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
@@ -161,7 +161,7 @@ def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> di
                 layer._launch(n, view(x, "x").ptr, layer.workspace.ptr("out"), s, limit=j)
         exe = timer.graph(body)
         timer.replay(exe)
-        t = timer.median_ms(lambda: timer.replay(exe), REPLAYS) * 1e3 / len(stack)
+        t = timer.median_ms(lambda exe=exe: timer.replay(exe), REPLAYS) * 1e3 / len(stack)
         out[layer0.plan.kernel(launches[j - 1].kernel).family] = t - prev
         prev = t
     return out

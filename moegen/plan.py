@@ -207,24 +207,28 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     select_logits = spec.routing.select is Select.logits
     route_targs = (str(e), str(k), _b(select_logits), _b(spec.routing.renormalize),
                    _b(spec.router.logits_dtype == "bf16"), _b(gated))
+    scale = spec.routing.routed_scaling_factor
     route_tag = (f"e{e}_k{k}_{'logits' if select_logits else 'softmax'}{'_renorm' if spec.routing.renormalize else ''}"
-                 f"{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
+                 f"{f'_x{scale:g}' if scale != 1.0 else ''}{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
     route_params = ("int* __restrict__ topk_ids", "float* __restrict__ topk_w", "int* __restrict__ pair_pos",
                     "float* __restrict__ gate_s", "int* __restrict__ num_slots", "int* __restrict__ slot_expert",
                     "int* __restrict__ slot_begin", "int* __restrict__ slot_token", "int n")
     route_args = ("topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots", "slot_expert", "slot_begin",
-                  "slot_token", f"{spec.routing.routed_scaling_factor!r}f", "n")
+                  "slot_token", f"{scale!r}f", "n")
     route_keys = ("ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.num_slots", "ws.slot_expert",
                   "ws.slot_begin", "ws.slot_token", "n")
 
     def router(nt: int, fused: bool) -> str:
-        name = f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}" + (f"_route_{route_tag}" if fused else "") + f"_{suffix}"
+        name = (f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}_n{nmax}" + (f"_route_{route_tag}" if fused else "")
+                + f"_{suffix}")
+        # Without the route, its parameters are fixed placeholders: the name carries all that shapes the code.
+        rt = route_targs if fused else ("1", "1", "false", "false", "false", "false")
         kernels.setdefault(name, Kernel(
             name, "router", WARPS * 32,
-            targs=(*map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax)), _b(fused), *route_targs),
+            targs=(*map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax)), _b(fused), *rt),
             params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* logits",
                     "int* route_done", *route_params),
-            args=("wr", "x", "logits", "route_done", *route_args),
+            args=("wr", "x", "logits", "route_done", *route_args[:-2], f"{scale if fused else 1.0!r}f", "n"),
             arg_keys=("w.router", "x", "ws.logits", "ws.route_done", *route_keys),
             body="router_logits_body",
             comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass"
@@ -260,7 +264,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         return name
 
     def down(nt: int, nts: int) -> str:
-        name = f"moe_down_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_{suffix}"
+        name = (f"moe_down_e{e}_h{h}_i{i}_k{k}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + ("_sgate" if gated else "")
+                + f"_{suffix}")
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
             targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(DOWN_TILES, max(nt, nts)), DOWN_TILES, h // (16 * DOWN_TILES), h, k)), _b(gated)),

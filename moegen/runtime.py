@@ -299,4 +299,4 @@ def layer_from_files(cuda_file: Path, plan_data: dict, weights: Mapping[str, Any
     return layer
 
 
-__all__ = ["Layer", "load", "View", "to_host"]
+__all__ = ["Layer", "View", "load", "to_host"]

@@ -146,9 +146,9 @@ class Spec(_Frozen):
             raise ValueError(
                 f"parallel.ep_rank={self.parallel.ep_rank} must be below parallel.ep_size={self.parallel.ep_size}"
             )
-        if self.buckets is not None:
-            if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.max_tokens:
-                raise ValueError("buckets must be strictly increasing and end at max_tokens")
+        b = self.buckets
+        if b is not None and (not b or list(b) != sorted(set(b)) or b[-1] != self.max_tokens):
+            raise ValueError("buckets must be strictly increasing and end at max_tokens")
         a = e.activation
         if a.kind is ActivationKind.swiglu_clamped and (a.alpha is None or a.limit is None):
             raise ValueError("experts.activation: swiglu_clamped needs alpha and limit")

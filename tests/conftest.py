@@ -20,7 +20,7 @@ def gpu_unavailable_reason() -> str | None:
         return f"cuda-bindings not importable: {exc}"
     try:
         (err,) = driver.cuInit(0)
-    except Exception as exc:  # no driver library at all (e.g. CI)
+    except Exception as exc:  # noqa: BLE001 - no driver library at all (e.g. CI) raises its own type
         return f"no CUDA driver here ({type(exc).__name__})"
     if err != driver.CUresult.CUDA_SUCCESS:
         return f"no CUDA driver/device here ({err.name})"

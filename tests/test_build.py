@@ -321,12 +321,14 @@ SHAPING_CHANGES: dict[str, list[tuple[str, object]]] = {
 @pytest.mark.parametrize("case", SHAPING_CHANGES)
 def test_a_kernel_name_means_one_kernel(case: str):
     seen: dict[str, tuple] = {}
-    plans = [make_plan(load_spec(p)) for p in SPECS] + [variant(QWEN, d, v) for d, v in SHAPING_CHANGES[case]]
+    catalog = [make_plan(load_spec(p)) for p in SPECS]
+    variants = [variant(QWEN, d, v) for d, v in SHAPING_CHANGES[case]]
     clashes = set()
-    for plan in plans:
+    for i, plan in enumerate(catalog + variants):
         for k in plan.kernels:
             code = (k.family, k.threads, k.targs, k.params, k.args, k.body)
-            if seen.setdefault(k.name, code) != code:
+            # clashes within the catalog are the "catalog" case's; the others report their variants'
+            if seen.setdefault(k.name, code) != code and (case == "catalog" or i >= len(catalog)):
                 clashes.add(k.name)
     assert not clashes, f"{case}: one kernel name stands for different code: {sorted(clashes)}"
 

@@ -15,8 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-
 from conftest import SPECS
+
 from moegen import reference
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
@@ -177,7 +177,7 @@ def test_launch_errors(case: Case):
         "stride": torch.randn(2, 2 * h, device="cuda", dtype=torch.bfloat16)[:, ::2],
         "rank": torch.randn(2, 1, h, device="cuda", dtype=torch.bfloat16),
     }
-    for what, x in bad.items():
+    for x in bad.values():
         with pytest.raises(ArrayError, match="x: "):
             case.layer(x, stream=torch.cuda.current_stream())
     with pytest.raises(ArrayError, match="out: "):

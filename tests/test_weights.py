@@ -60,3 +60,18 @@ def test_bf16_bits_rejects_integers():
         bf16_bits(np.zeros((2, 2), np.int32), "gate.weight")
     x = np.array([1.0, -2.5], np.float32)
     assert np.array_equal(bf16_bits(x, "x").view(ml_dtypes.bfloat16).astype(np.float32), x)
+
+
+def test_interleaved_packing_groups_consecutive_tiles():
+    """Down weights: the MATS matrices of a row group are its consecutive 16-row tiles."""
+    from moegen.plan import PackedWeight
+    from moegen.weights import _pack_one
+
+    rng = np.random.default_rng()
+    w = _rand_bits(rng, 3, 64, 96)  # [E, H, I]
+    pw = PackedWeight("w2", ("experts.down_proj",), 2, True, 3, 64, 64, 96)
+    packed = _pack_one(pw, {"experts.down_proj": w})
+    assert packed.shape == (3, 2, 3, 2, 2, 32, 8)  # [E, H/32, I/32, tiles, 2, 32, 8]
+    even, odd = unpack_tiles(packed, 2, 32)
+    got = np.stack([even.reshape(3, 2, 16, 96), odd.reshape(3, 2, 16, 96)], axis=2).reshape(3, 64, 96)
+    assert np.array_equal(got, w)

@@ -546,7 +546,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // router: 16 rows x 6144, K split 48 ways, 8 tokens per pass; the last block routes
-extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt1_route_e8_k2_softmax_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt1_n256_route_e8_k2_softmax_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<192, 1, 4, 8, 48, 16, 256, true, 8, 2, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 1024 tiles
@@ -554,23 +554,23 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt
   gate_up_body<192, 1, 1, 4, 4, 1024, 0, 16384, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<512, 0, 1, 1, 4, 4, 2, 192, 6144, 2, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 16 rows x 6144, K split 48 ways, 16 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<192, 2, 4, 6, 48, 16, 256, false, 8, 2, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<192, 2, 4, 6, 48, 16, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // router: 16 rows x 6144, K split 48 ways, 32 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<192, 4, 4, 4, 48, 16, 256, false, 8, 2, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<192, 4, 4, 4, 48, 16, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 1024 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 2, 4, 4, 3, 1024, 0, 16384, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<512, 0, 2, 4, 4, 3, 2, 192, 6144, 2, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + SiLU: expert slots x 1024 tiles
@@ -578,6 +578,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt
   gate_up_body<192, 4, 4, 4, 3, 1024, 0, 16384, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<512, 0, 4, 4, 4, 3, 2, 192, 6144, 2, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }

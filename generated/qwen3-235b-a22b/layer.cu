@@ -546,7 +546,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // router: 128 rows x 4096, K split 32 ways, 8 tokens per pass; the last block routes
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt1_route_e128_k8_softmax_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt1_n256_route_e128_k8_softmax_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 1, 4, 8, 32, 128, 256, true, 128, 8, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 96 tiles
@@ -554,23 +554,23 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_n
   gate_up_body<128, 1, 1, 4, 4, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_k8_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<48, 0, 1, 1, 4, 4, 2, 128, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 128 rows x 4096, K split 32 ways, 16 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt2_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 2, 4, 6, 32, 128, 256, false, 128, 8, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 2, 4, 6, 32, 128, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // router: 128 rows x 4096, K split 32 ways, 32 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt4_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 4, 4, 4, 32, 128, 256, false, 128, 8, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 4, 4, 4, 32, 128, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 96 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 2, 4, 4, 3, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<48, 0, 2, 4, 4, 3, 2, 128, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + SiLU: expert slots x 96 tiles
@@ -578,6 +578,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_n
   gate_up_body<128, 4, 4, 4, 3, 96, 0, 1536, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<48, 0, 4, 4, 4, 3, 2, 128, 4096, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
