@@ -737,6 +737,6 @@ PLAN = {'arch': 'sm_90a',
                {'dtype': 'uint16', 'name': 'out', 'shape': (256, 2048)})}
 
 
-def Layer(weights=None, device=None):  # noqa: N802 - reads as the layer's constructor
+def Layer(weights=None, device=None):
     """The layer, compiled for this GPU (NVRTC, cached); weights as in moegen.runtime.Layer.load_weights."""
     return layer_from_files(CUDA_FILE, PLAN, weights, device)
