@@ -23,7 +23,7 @@ from .build import render_all, write_dir
 from .plan import Plan, make_plan
 from .runtime import Layer, _driver, _ok, load
 from .spec import load_spec
-from .weights import expected
+from .weights import tensors
 
 REPLAYS = 50
 
@@ -74,16 +74,28 @@ def copy_bandwidth(timer: _Timer, device: Any, nbytes: int = 2 << 30) -> float:
 
 
 def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
+    """Random weights of the plan's formats (FP8 block: e4m3 codes with per-block scales),
+    made on the device with PyTorch when it is there (host NumPy is slow at these sizes)."""
+    import ml_dtypes
+
     try:
         import torch
-
-        return {k: (torch.randn(s, device="cuda") / math.sqrt(s[-1])).to(torch.bfloat16)
-                for k, s in expected(plan).items()}
     except ImportError:
-        import ml_dtypes
-
-        return {k: (rng.standard_normal(s, np.float32) / math.sqrt(s[-1])).astype(ml_dtypes.bfloat16)
-                for k, s in expected(plan).items()}
+        torch = None
+    out: dict[str, Any] = {}
+    for name, (shape, dtype) in tensors(plan).items():
+        if name.endswith("_scale_inv"):
+            out[name] = rng.uniform(0.5, 1.0, shape).astype(np.float32) / 448.0
+        elif torch is not None:
+            w = torch.randn(shape, device="cuda") / math.sqrt(shape[-1])
+            if dtype == "bfloat16":
+                out[name] = w.to(torch.bfloat16)
+            else:  # codes of O(1) values; the runtime packs FP8 on the host
+                out[name] = (w * 64).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy().view(dtype)
+        else:
+            w = rng.standard_normal(shape, np.float32) / math.sqrt(shape[-1])
+            out[name] = w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else ml_dtypes.float8_e4m3fn)
+    return out
 
 
 def _random_x(plan: Plan, n: int, rng: np.random.Generator) -> Any:

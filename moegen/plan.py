@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from .spec import Select, Spec
 
 WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
+A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
@@ -93,6 +95,8 @@ class PackedWeight:
     rows: int  # rows of each source matrix (per expert)
     rows_padded: int
     cols: int
+    format: str = "bf16"  # "fp8_block": e4m3 codes, 16 bytes per lane and chunk, fp32 128x128 block scales
+    scale_name: str = ""  # the device buffer of its scales [MATS sources][E][R/128][K/128] (FP8)
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,10 @@ def _nt(tokens: int) -> int:
     return max(1, min(MAX_NT, math.ceil(tokens / 8)))
 
 
-def _depth(mats: int, nt: int) -> int:
+def _depth(mats: int, nt: int, fmt: str = "bf16") -> int:
     """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
-    chunk_bytes = (mats * 2 + nt) * 512  # per warp: A fragments of MATS matrices, B of NT token groups
+    af = A_FRAGMENTS[fmt]
+    chunk_bytes = (mats * af + nt) * 512  # per warp: A fragments of MATS matrices, B of NT token groups
     return max(2, min(MAX_DEPTH, STATIC_SMEM // (WARPS * chunk_bytes)))
 
 
@@ -184,6 +189,11 @@ def _check_shapes(spec: Spec) -> None:
     for name, v in checks:
         if v % 32:
             raise PlanError(f"{name}={v}: the bf16 kernels need a multiple of 32")
+    fp8 = [spec.experts.format.value == "fp8_block", bool(spec.shared_expert and spec.shared_expert.format.value == "fp8_block")]
+    for name, v in checks:
+        uses_fp8 = fp8[1] if name.startswith("shared") else (fp8[0] or (fp8[1] and name == "hidden_size"))
+        if uses_fp8 and v % 128:
+            raise PlanError(f"{name}={v}: FP8 128x128 block weights need a multiple of 128")
     if spec.experts.top_k > 32:
         raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
 
@@ -200,7 +210,9 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     kc_h, kc_i, kc_s = h // 32, i // 32, si // 32
     ksplit = _ksplit(rows_pad // 16, kc_h, target)
     slots_max = min(e, nmax * k)
-    suffix = f"bf16_{spec.arch}"
+    suffix = f"bf16_{spec.arch}"  # the router is bf16
+    fmt_e = spec.experts.format.value
+    fmt_s = sh.format.value if sh else "bf16"
 
     kernels: dict[str, Kernel] = {}
 
@@ -247,16 +259,20 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     )
 
     def gate_up(nt: int, nts: int) -> str:
-        name = f"moe_gate_up_e{e}_h{h}_i{i}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + f"_silu_{suffix}"
+        name = (f"moe_gate_up_e{e}_h{h}_i{i}_nt{nt}_{fmt_e}" + (f"_si{si}_nts{nts}_{fmt_s}" if si else "")
+                + f"_silu_{spec.arch}")
         kernels.setdefault(name, Kernel(
             name, "gate_up", WARPS * 32,
-            targs=tuple(map(str, (kc_h, nt, nts, WARPS, _depth(2, max(nt, nts)), i // 16, si // 16, i, max(si, 1)))),
-            params=("const uint4* __restrict__ w13", "const uint4* __restrict__ ws13", "const bf16_t* __restrict__ x",
+            targs=(*map(str, (kc_h, nt, nts, WARPS, _depth(2, max(nt, nts), fmt_e), i // 16, si // 16, i, max(si, 1))),
+                   FMT_MACRO[fmt_e], FMT_MACRO[fmt_s], str(e)),
+            params=("const uint4* __restrict__ w13", "const uint4* __restrict__ ws13", "const float* __restrict__ s13",
+                    "const float* __restrict__ ss13", "const bf16_t* __restrict__ x",
                     "const int* __restrict__ num_slots", "const int* __restrict__ slot_expert",
                     "const int* __restrict__ slot_begin", "const int* __restrict__ slot_token",
                     "bf16_t* __restrict__ act", "bf16_t* __restrict__ act_s", "int n"),
-            args=("w13", "ws13", "x", "num_slots", "slot_expert", "slot_begin", "slot_token", "act", "act_s", "n"),
-            arg_keys=("w.w13", "w.ws13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token",
+            args=("w13", "ws13", "s13", "ss13", "x", "num_slots", "slot_expert", "slot_begin", "slot_token", "act",
+                  "act_s", "n"),
+            arg_keys=("w.w13", "w.ws13", "w.s13", "w.ss13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token",
                       "ws.act", "ws.act_s", "n"),
             body="gate_up_body",
             comment=f"gate/up + SiLU: expert slots x {i // 16} tiles" + (f" + shared {si // 16} tiles" if si else ""),
@@ -264,20 +280,23 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         return name
 
     def down(nt: int, nts: int) -> str:
-        name = (f"moe_down_e{e}_h{h}_i{i}_k{k}_nt{nt}" + (f"_si{si}_nts{nts}" if si else "") + ("_sgate" if gated else "")
-                + f"_{suffix}")
+        name = (f"moe_down_e{e}_h{h}_i{i}_k{k}_nt{nt}_{fmt_e}" + (f"_si{si}_nts{nts}_{fmt_s}" if si else "")
+                + ("_sgate" if gated else "") + f"_{spec.arch}")
+        depth = _depth(DOWN_TILES, max(nt, nts), fmt_e)
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
-            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, _depth(DOWN_TILES, max(nt, nts)), DOWN_TILES, h // (16 * DOWN_TILES), h, k)), _b(gated)),
-            params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const bf16_t* __restrict__ act",
+            targs=(*map(str, (kc_i, kc_s, nt, nts, WARPS, depth, DOWN_TILES, h // (16 * DOWN_TILES), h, k)), _b(gated),
+                   FMT_MACRO[fmt_e], FMT_MACRO[fmt_s]),
+            params=("const uint4* __restrict__ w2", "const uint4* __restrict__ ws2", "const float* __restrict__ s2",
+                    "const float* __restrict__ ss2", "const bf16_t* __restrict__ act",
                     "const bf16_t* __restrict__ act_s", "const int* __restrict__ num_slots",
                     "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
                     "float* y", "float* ys", "const float* __restrict__ topk_w",
                     "const int* __restrict__ pair_pos", "const float* __restrict__ gate_s", "int* tile_done",
                     "bf16_t* __restrict__ out", "int n"),
-            args=("w2", "ws2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys", "topk_w",
-                  "pair_pos", "gate_s", "tile_done", "out", "n"),
-            arg_keys=("w.w2", "w.ws2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
+            args=("w2", "ws2", "s2", "ss2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys",
+                  "topk_w", "pair_pos", "gate_s", "tile_done", "out", "n"),
+            arg_keys=("w.w2", "w.ws2", "w.s2", "w.ss2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
                       "ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.tile_done", "out", "n"),
             body="down_body",
             comment=f"down: expert slots x {h // 16} tiles of {i}" + (f" + shared ({si})" if si else "")
@@ -336,13 +355,14 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
     weights = [
         PackedWeight("router", router_sources, 1, False, 0, e + int(gated), rows_pad, h),
-        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h),
-        PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i),
+        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, fmt_e, "s13"),
+        PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i, fmt_e, "s2"),
     ]
     if sh:
         weights += [
-            PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, False, 0, si, si, h),
-            PackedWeight("ws2", ("shared_expert.down_proj",), DOWN_TILES, True, 0, h, h, si),
+            PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, False, 0, si, si, h, fmt_s,
+                         "ss13"),
+            PackedWeight("ws2", ("shared_expert.down_proj",), DOWN_TILES, True, 0, h, h, si, fmt_s, "ss2"),
         ]
     asserts = (
         Assert(f"{h} % 32 == 0", "hidden size: whole 32-wide K chunks and down row groups"),

@@ -140,28 +140,51 @@ class Layer:
         """
         plan = self.plan
         pieces = W.collect(weights, plan, self._describe)
-        # Sources are staged contiguously; a concatenated matrix (router + gate row) is one buffer.
+        on_device = [pw for pw in plan.weights if pw.format == "bf16"]  # packed by a kernel
+        on_host = [pw for pw in plan.weights if pw.format != "bf16"]  # quantized: packed with NumPy
+        sizes = {pw.name: W.packed_nbytes(pw) for pw in plan.weights}
+        host = {pw.name: self._pack_on_host(pw, pieces) for pw in on_host}
+        for pw in on_host:
+            sizes[pw.scale_name] = host[pw.name][1].nbytes
+        packed = Memory(self.device, sizes)
+        drv = _driver()
+        for pw in on_host:
+            codes, scales = host[pw.name]
+            _ok(drv.cuMemcpyHtoD(packed.ptr(pw.name), codes.ctypes.data, codes.nbytes), f"copying {pw.name}")
+            _ok(drv.cuMemcpyHtoD(packed.ptr(pw.scale_name), scales.ctypes.data, scales.nbytes), "copying scales")
+        # bf16 sources are staged contiguously; a concatenated matrix (router + gate row) is one buffer.
         staged: dict[str, str] = {}
-        sizes: dict[str, int] = {}
-        for pw in plan.weights:
+        stage_sizes: dict[str, int] = {}
+        for pw in on_device:
             groups = [pw.sources] if (pw.mats == 1 and len(pw.sources) > 1) else [(s_,) for s_ in pw.sources]
             for grp in groups:
                 for src in grp:
                     staged[src] = grp[0]
-                sizes[grp[0]] = sum(int(np.prod(W.expected(plan)[src])) * 2 for src in grp)
-        stage = Memory(self.device, sizes)
-        fill: dict[str, int] = dict.fromkeys(sizes, 0)
-        for pw in plan.weights:
+                stage_sizes[grp[0]] = sum(int(np.prod(W.expected(plan)[src])) * 2 for src in grp)
+        stage = Memory(self.device, stage_sizes)
+        fill: dict[str, int] = dict.fromkeys(stage_sizes, 0)
+        for pw in on_device:
             for src in pw.sources:
                 for key, obj in pieces[src]:
                     dst = stage.ptr(staged[src]) + fill[staged[src]]
                     fill[staged[src]] += self._copy_in(obj, key, dst)
-        packed = Memory(self.device, {pw.name: W.packed_nbytes(pw) for pw in plan.weights})
-        for pw in plan.weights:
+        for pw in on_device:
             self._pack(pw, stage, staged, packed)
-        _ok(_driver().cuCtxSynchronize(), "packing weights")
+        _ok(drv.cuCtxSynchronize(), "packing weights")
         stage.close()
+        if self._weights is not None:
+            self._weights.close()
         self._weights = packed
+
+    def _pack_on_host(self, pw: Any, pieces: Mapping[str, list[tuple[str, Any]]]) -> tuple[np.ndarray, np.ndarray]:
+        """FP8 block weights: e4m3 codes packed into the tile layout, and their fp32 block scales."""
+        def whole(name: str) -> np.ndarray:
+            parts = [to_host(obj, key) for key, obj in pieces[name]]
+            return np.stack(parts) if len(parts) > 1 else parts[0]
+
+        codes = {src: np.ascontiguousarray(whole(src)).view(np.uint8) for src in pw.sources}
+        scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
+        return W.pack_fp8(pw, codes), W.fp8_scales(pw, scales)
 
     def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:
         if isinstance(obj, np.ndarray):

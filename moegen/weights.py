@@ -44,7 +44,7 @@ def pack_tiles(mats: Sequence[np.ndarray], rows_padded: int) -> np.ndarray:
     for m in mats:
         if m.shape != mats[0].shape:
             raise WeightError(f"matrices packed together differ in shape: {m.shape} vs {mats[0].shape}")
-        p = np.zeros((*lead, rows_padded, k), np.uint16)
+        p = np.zeros((*lead, rows_padded, k), m.dtype)
         p[..., :r, :] = m
         # rows -> (tile, h, g); cols -> (chunk, t, s, q, jj) with col = 32*chunk + 8t + 4s + 2q + jj
         p = p.reshape(*lead, rows_padded // 16, 2, 8, k // 32, 4, 2, 2, 2)
@@ -72,6 +72,12 @@ def unpack_tiles(packed: np.ndarray, mats: int, rows: int) -> list[np.ndarray]:
 
 def expected(plan: Plan) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape, for every tensor the plan's packed weights are made from."""
+    return {name: shape for name, (shape, _) in tensors(plan).items()}
+
+
+def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Hugging Face name -> (shape, dtype) of every input tensor. FP8 block weights come as
+    e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form)."""
     h, e, i, si = plan.hidden, plan.experts, plan.inter, plan.shared_inter
     shapes = {"gate.weight": (e, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
@@ -80,7 +86,15 @@ def expected(plan: Plan) -> dict[str, tuple[int, ...]]:
     if si:
         shapes.update({"shared_expert.gate_proj": (si, h), "shared_expert.up_proj": (si, h),
                        "shared_expert.down_proj": (h, si)})
-    return shapes
+    fmt = {src: pw.format for pw in plan.weights for src in pw.sources}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape in shapes.items():
+        if fmt.get(name, "bf16") == "fp8_block":
+            out[name] = (shape, "float8_e4m3fn")
+            out[f"{name}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)), "float32")
+        else:
+            out[name] = (shape, "bfloat16")
+    return out
 
 
 def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, list[tuple[str, Any]]]:
@@ -91,7 +105,7 @@ def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, 
     Device tensors must be bfloat16; host tensors may be bfloat16 or float (rounded to bf16).
     """
     out: dict[str, list[tuple[str, Any]]] = {}
-    for name, shape in expected(plan).items():
+    for name, (shape, want) in tensors(plan).items():
         if name in weights:
             pieces, piece_shape = [(name, weights[name])], shape
         elif name.startswith("experts.") and f"experts.0.{name.split('.', 1)[1]}" in weights:
@@ -103,14 +117,15 @@ def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, 
             pieces, piece_shape = [(k, weights[k]) for k in keys], shape[1:]
         else:
             alt = f" (or per expert: experts.<e>.{name.split('.', 1)[1]})" if name.startswith("experts.") else ""
-            raise WeightError(f"missing weight {name}: expected {list(shape)} bfloat16{alt}")
+            raise WeightError(f"missing weight {name}: expected {list(shape)} {want}{alt}")
         for key, obj in pieces:
             got_shape, dtype, on_device = describe(obj, key)
             if tuple(got_shape) != piece_shape:
                 raise WeightError(f"{key}: shape {list(got_shape)}, expected {list(piece_shape)}")
-            ok = dtype == "bfloat16" or (not on_device and dtype in ("float32", "float64", "float16"))
+            floats = ("float32", "float64", "float16")
+            ok = dtype == want or (want == "bfloat16" and not on_device and dtype in floats)
             if not ok:
-                raise WeightError(f"{key}: dtype {dtype}, expected bfloat16")
+                raise WeightError(f"{key}: dtype {dtype}, expected {want}")
         out[name] = pieces
     unknown = sorted(k for k in weights if k not in out and not _is_per_expert(k, plan))
     if unknown:
@@ -140,7 +155,7 @@ def pack(plan: Plan, sources: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
 
 def packed_nbytes(pw: PackedWeight) -> int:
     """Bytes of a packed weight: every 16-row tile of every source matrix, rows padded."""
-    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * 2
+    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * (1 if pw.format == "fp8_block" else 2)
     return per_matrix if pw.interleaved else per_matrix * pw.mats
 
 
@@ -148,7 +163,7 @@ def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray
     if pw.interleaved:  # the MATS matrices of a group are its consecutive 16-row tiles
         w = sources[pw.sources[0]]
         lead, (r, k) = w.shape[:-2], w.shape[-2:]
-        p = np.zeros((*lead, pw.rows_padded, k), np.uint16)
+        p = np.zeros((*lead, pw.rows_padded, k), w.dtype)
         p[..., :r, :] = w
         p = p.reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, k)
         mats = [p[..., m, :, :].reshape(*lead, pw.rows_padded // pw.mats, k) for m in range(pw.mats)]
@@ -156,3 +171,15 @@ def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray
     if pw.mats == 1 and len(pw.sources) > 1:  # e.g. router rows then the shared-expert gate row
         return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded)
     return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded)
+
+
+def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
+    """FP8 codes (uint8) in the kernels' layout: the bf16 fragment order, then each lane's two
+    k-steps side by side, so one 16-byte load per lane brings a whole 16x32 chunk."""
+    p = _pack_one(pw, codes)  # [..., T, KC, MATS, 2 k-steps, 32 lanes, 8]
+    return np.ascontiguousarray(np.swapaxes(p, -3, -2))  # [..., T, KC, MATS, 32 lanes, 2, 8]
+
+
+def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The fp32 block scales of a packed FP8 weight: [MATS sources][E][R/128][K/128]."""
+    return np.ascontiguousarray(np.stack([np.asarray(scales[f"{s}_scale_inv"], np.float32) for s in pw.sources]))

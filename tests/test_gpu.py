@@ -23,7 +23,7 @@ from moegen.build import render_all, write_dir
 from moegen.plan import Plan, make_plan
 from moegen.runtime import Layer, load
 from moegen.spec import Spec, load_spec
-from moegen.weights import expected
+from moegen.weights import tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -39,14 +39,34 @@ class Case:
     host: dict[str, np.ndarray]  # bf16 weights as the reference reads them
 
 
-def _rand_weights(plan: Plan, torch: Any) -> dict[str, Any]:
-    """Device bf16 weights scaled so router logits and expert outputs are O(1)."""
-    out = {}
-    for name, shape in expected(plan).items():
-        fan_in = shape[-1]
-        scale = 1.0 / math.sqrt(fan_in)
-        out[name] = (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(torch.bfloat16)
-    return out
+def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Random weights scaled so router logits and expert outputs are O(1): what the layer is
+    given (device bf16; FP8 block: e4m3 codes and fp32 scales) and what the reference reads
+    (the same values, dequantized)."""
+    layer_w, ref_w = {}, {}
+    for name, (shape, dtype) in tensors(plan).items():
+        if name.endswith("_scale_inv"):
+            continue
+        w = torch.randn(shape, device="cuda", dtype=torch.float32) / math.sqrt(shape[-1])
+        if dtype == "bfloat16":
+            layer_w[name] = w.to(torch.bfloat16)
+            ref_w[name] = _host(layer_w[name])
+        else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition
+            codes, scale, deq = _fp8_block(w, torch)
+            layer_w[name] = codes.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
+            layer_w[f"{name}_scale_inv"] = scale.cpu().numpy()
+            ref_w[name] = deq.cpu().numpy()
+    return layer_w, ref_w
+
+
+def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any, Any]:
+    r, k = w.shape[-2:]
+    blocks = w.reshape(*w.shape[:-2], r // 128, 128, k // 128, 128)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.clamp(amax, min=1e-12) / 448.0
+    full = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    codes = (w / full).to(torch.float8_e4m3fn)
+    return codes, scale, codes.to(torch.float32) * full
 
 
 def _host(t: Any) -> np.ndarray:
@@ -63,9 +83,8 @@ def case(request, tmp_path_factory) -> Case:
     plan = make_plan(spec)
     out = tmp_path_factory.mktemp("gen") / spec.name
     write_dir(out, render_all(spec, plan))
-    dev_w = _rand_weights(plan, torch)
+    dev_w, host = _rand_weights(plan, torch)
     layer = load(out, dev_w)
-    host = {k: _host(v) for k, v in dev_w.items()}
     del dev_w
     torch.cuda.empty_cache()
     return Case(spec, plan, layer, host)

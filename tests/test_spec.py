@@ -128,7 +128,8 @@ def test_impossible_values_are_refused_by_field(tmp_path: Path, edit: str, field
     "section,values,message",
     [
         ("routing", {"score": "sigmoid"}, "routing.score=sigmoid is not generated yet"),
-        ("experts", {"format": "fp8_block"}, "experts.format=fp8_block is not generated yet"),
+        ("experts", {"format": "nvfp4"}, "experts.format=nvfp4 is not generated yet"),
+        ("experts", {"format": "fp8_block", "fp8_activations": True}, "experts.fp8_activations=True is not generated yet"),
         ("experts", {"zero_experts": 8}, "experts.zero_experts=8 is not generated yet"),
         ("router", {"bias": True}, "router.bias=True is not generated yet"),
         ("routing", {"hash_vocab_size": 100}, "routing.hash_vocab_size=100 is not generated yet"),

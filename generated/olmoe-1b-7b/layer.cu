@@ -75,18 +75,37 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 // DEPTH-1 chunks per warp stay in flight without any barrier. Each warp's partial sums go to
 // shared memory and are added in warp order: the result depends neither on timing nor on the
 // other tokens.
-template <int KC, int MATS, int NT, int WARPS, int DEPTH>
+// Weight formats of the packed tiles: bf16 (2 fragments of 16 bytes per lane and chunk) or FP8
+// e4m3 with one fp32 scale per 128x128 block (1 fragment: both k-steps' 16 codes).
+#define MOE_W_BF16 0
+#define MOE_W_FP8_BLOCK 1
+
+// Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
+// bf16 value. cvt.rn.f16x2.e4m3x2 puts the low byte's value in the low half.
+MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(two & 0xffffu)));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
+  return pack_bf16x2(lo, hi);
+}
+
+template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
 struct TileGemv {
-  static constexpr int FRAGS = MATS * 2 + NT;  // 16-byte fragments per lane per chunk
+  static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk
+  static constexpr int FRAGS = MATS * AF + NT;           // 16-byte fragments per lane per chunk
   static constexpr int RING_U4 = WARPS * DEPTH * FRAGS * 32;
   static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
   static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
 
   // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
   // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
+  // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
   // smem: SMEM_BYTES, 16-byte aligned; on return it holds the per-warp partial sums.
   static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
-                             const int* __restrict__ tok, int n0, int m, uint4* smem) {
+                             const int* __restrict__ tok, int n0, int m, uint4* smem,
+                             const float* __restrict__ scale = nullptr, int scale_stride = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const bf16_t* xr[NT];
@@ -113,9 +132,9 @@ struct TileGemv {
         const int c = warp + i * WARPS;
         uint4* st = ring + (i % DEPTH) * FRAGS * 32;
 #pragma unroll
-        for (int f = 0; f < MATS * 2; ++f) cp_async16(st + f * 32, a + ((size_t)c * MATS * 2 + f) * 32 + lane, true);
+        for (int f = 0; f < MATS * AF; ++f) cp_async16(st + f * 32, a + ((size_t)c * MATS * AF + f) * 32 + lane, true);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) cp_async16(st + (MATS * 2 + j) * 32, xr[j] + c * 32, live[j]);
+        for (int j = 0; j < NT; ++j) cp_async16(st + (MATS * AF + j) * 32, xr[j] + c * 32, live[j]);
       }
       cp_async_commit();  // an empty group past the end keeps the wait count uniform
     };
@@ -125,18 +144,39 @@ struct TileGemv {
       issue(i + DEPTH - 1);
       cp_async_wait<DEPTH - 1>();
       const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
-      uint4 av[MATS * 2], bv[NT];
+      uint4 av[MATS * AF], bv[NT];
 #pragma unroll
-      for (int f = 0; f < MATS * 2; ++f) av[f] = st[f * 32];
+      for (int f = 0; f < MATS * AF; ++f) av[f] = st[f * 32];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) bv[j] = st[(MATS * 2 + j) * 32];
+      for (int j = 0; j < NT; ++j) bv[j] = st[(MATS * AF + j) * 32];
+      if (FMT == MOE_W_BF16) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int mt = 0; mt < MATS; ++mt) {
+            mma_bf16(acc[j][mt], av[mt * AF], bv[j].x, bv[j].y);
+            mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
+          }
+      } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
+        const int c = warp + i * WARPS;
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
-          mma_bf16(acc[j][mt], av[mt * 2], bv[j].x, bv[j].y);
-          mma_bf16(acc[j][mt], av[mt * 2 + 1], bv[j].z, bv[j].w);
+          const uint4 q = av[mt];
+          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
+                                      e4m3x2_to_bf16x2(q.y >> 16));
+          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
+                                      e4m3x2_to_bf16x2(q.w >> 16));
+          const float sc = __ldg(scale + mt * scale_stride + c / 4);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, bv[j].x, bv[j].y);
+            mma_bf16(tmp, k1, bv[j].z, bv[j].w);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc, tmp[r], acc[j][mt][r]);
+          }
         }
+      }
     }
     cp_async_wait<0>();
     __syncthreads();  // the partial sums reuse the ring
@@ -364,17 +404,19 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // Gate/up projections of one 16-column tile of one expert's FFN, then the activation:
 // act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
 // Blocks past the routed slots compute the shared expert over all tokens.
-template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS>
+// FP8: s13 holds the gate then the up scales [2][E][I/128][H/128] (ss13: [2][IS/128][H/128]).
+template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
 MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
+                             const float* __restrict__ s13, const float* __restrict__ ss13,
                              const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
                              const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
                              const int* __restrict__ slot_token, bf16_t* __restrict__ act,
                              bf16_t* __restrict__ act_s, int n) {
-  using GR = TileGemv<KC, 2, NT, WARPS, DEPTH>;
-  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH>;
+  using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
+  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH, FMTS>;
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
-  constexpr size_t TILE_U4 = (size_t)KC * 2 * 64;  // uint4 per 16-column gate+up tile
+  constexpr int KB = KC / 4;  // 128-wide K blocks (FP8 scales)
   // The grid is (expert slots of the bucket) x TI routed tiles, then TIS shared-expert tiles.
   const int routed_blocks = gridDim.x - TIS;
   if (blockIdx.x < routed_blocks) {
@@ -383,9 +425,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     grid_dep_launch();
     if (slot >= *num_slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
-    const uint4* a = w13 + ((size_t)e * TI + tile) * TILE_U4;
+    const uint4* a = w13 + ((size_t)e * TI + tile) * KC * 2 * GR::AF * 32;
+    const float* sc = FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red);
+      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, E * (I / 128) * KB);
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -399,9 +442,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     // The shared expert reads only x and its weights: it need not wait for the routing.
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
-    const uint4* a = ws13 + (size_t)tile * TILE_U4;
+    const uint4* a = ws13 + (size_t)tile * KC * 2 * GS::AF * 32;
+    const float* sc = FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, x, KC * 32, nullptr, n0, n, red);
+      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, (IS / 128) * KB);
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
@@ -420,16 +464,20 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // per group, integer atomics only) writes that part of the output:
 // out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in order, so the
 // sum does not depend on which block came last.
-template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE>
+// FP8: s2 [E][H/128][I/128], ss2 [H/128][IS/128]; a block's TPB tiles share one 128-row block.
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
+          int FMT, int FMTS>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
+                          const float* __restrict__ s2, const float* __restrict__ ss2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
                           const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
                           const int* __restrict__ slot_begin, float* y, float* ys,
                           const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
                           const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
-  using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH>;
-  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH>;
+  using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH, FMT>;
+  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH, FMTS>;
+  static_assert(128 % ROWS == 0, "a block's rows lie in one 128-row scale block");
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
@@ -443,10 +491,11 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     group = blockIdx.x % TH;
     if (slot >= slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
-    const uint4* a = w2 + ((size_t)e * TH + group) * KC * TPB * 64;
+    const uint4* a = w2 + ((size_t)e * TH + group) * KC * TPB * GR::AF * 32;
+    const float* sc = FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
     const bf16_t* xa = act + (size_t)begin * KC * 32;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, xa, KC * 32, nullptr, n0, m, red);
+      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0);
       for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = GR::result(red, j, mt, r, col);
@@ -455,9 +504,10 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     }
   } else {
     group = blockIdx.x - routed_blocks;
-    const uint4* a = ws2 + (size_t)group * KCS * TPB * 64;
+    const uint4* a = ws2 + (size_t)group * KCS * TPB * GS::AF * 32;
+    const float* sc = FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red);
+      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0);
       for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NTS * 128), j = (i >> 7) % NTS, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) ys[(size_t)tk * H + group * ROWS + mt * 16 + r] = GS::result(red, j, mt, r, col);
@@ -550,12 +600,12 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_
   router_logits_body<64, 1, 4, 8, 16, 64, 256, true, 64, 8, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 64 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt1_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 1, 1, 4, 4, 64, 0, 1024, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt1_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 1, 1, 4, 4, 64, 0, 1024, 1, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 1024; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<32, 0, 1, 1, 4, 4, 2, 64, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<32, 0, 1, 1, 4, 4, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 64 rows x 2048, K split 16 ways, 16 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -566,18 +616,18 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_
   router_logits_body<64, 4, 4, 4, 16, 64, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
 }
 // gate/up + SiLU: expert slots x 64 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt2_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 2, 4, 4, 3, 64, 0, 1024, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt2_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 2, 4, 4, 3, 64, 0, 1024, 1, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 1024; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<32, 0, 2, 4, 4, 3, 2, 64, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<32, 0, 2, 4, 4, 3, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + SiLU: expert slots x 64 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt4_silu_bf16_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 4, 4, 4, 3, 64, 0, 1024, 1>(w13, ws13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1024_nt4_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 4, 4, 4, 3, 64, 0, 1024, 1, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 1024; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<32, 0, 4, 4, 4, 3, 2, 64, 2048, 8, false>(w2, ws2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<32, 0, 4, 4, 4, 3, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }

@@ -1,0 +1,258 @@
+"""Hugging Face config.json -> Spec, for every family in shared/MODELS.md.
+
+Field names and defaults follow the installed transformers' configuration and modeling files
+(transformers 5.x): a field that transformers defaults is defaulted the same way here, a field
+it requires (hidden size, expert count, top-k, expert width) is required. Where transformers'
+code departs from the authors' (DeepSeek-V2 ignores norm_topk_prob, DeepSeek-V4 clamps the
+shared expert), the comment at that line says which one is followed.
+
+Naming: `--name` > the stem of `-o` > the config's directory name; `--model` > the config's
+`_name_or_path` > an HF cache path `models--<org>--<repo>/...`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from .spec import Spec, SpecError, parse_spec
+
+
+class HFError(ValueError):
+    """A config.json that cannot be imported; one line naming the file and the reason."""
+
+
+class UnknownArchitecture(HFError):
+    """No moegen family for the config's architectures / model_type."""
+
+
+class MissingField(HFError):
+    """The config lacks a field the spec needs."""
+
+
+class LayerError(HFError):
+    """The layer asked for is out of range, or is not a MoE layer."""
+
+
+class UnsupportedConfig(HFError):
+    """The config asks for something the Spec schema cannot express."""
+
+
+class Cfg:
+    """One config mapping and where it came from, so every error can name the file and field."""
+
+    def __init__(self, data: dict[str, Any], source: str, prefix: str = "") -> None:
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def need(self, key: str) -> Any:
+        if self.data.get(key) is None:
+            raise MissingField(f"{self.source}: missing field {self.prefix}{key!r}, which the spec needs")
+        return self.data[key]
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+
+@dataclass(frozen=True)
+class Family:
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    body: Callable[[Cfg, int], dict[str, Any]]  # the spec fields of layer L (a MoE layer)
+    dense: Callable[[Cfg, int], str | None] = lambda c, L: None  # why layer L is dense, or None
+    layers_field: str = "num_hidden_layers"
+    scaled: bool = False  # the family has a routed_scaling_factor: always written in the spec
+    fused_transposed: bool = False  # fused experts stored [E, H, 2I] / [E, I, H] (x @ W)
+    summary: Callable[[Spec], str] | None = None  # the catalog's wording, where a family has one
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _activation(c: Cfg) -> dict[str, Any]:
+    act = c.get("hidden_act", "silu")
+    if act in ("silu", "swish"):
+        return {}
+    if act == "gelu":  # exact (erf) GELU, as the reference computes it
+        return {"kind": "gelu_gated"}
+    raise UnsupportedConfig(f"{c.source}: hidden_act={act!r} has no spec activation (silu, gelu)")
+
+
+def _experts(c: Cfg, count: str, inter: str, top_k: str = "num_experts_per_tok") -> dict[str, Any]:
+    e = {"count": c.need(count), "top_k": c.need(top_k), "intermediate_size": c.need(inter)}
+    act = _activation(c)
+    return {**e, "activation": act} if act else e
+
+
+def _ungated_shared(c: Cfg) -> dict[str, Any] | None:
+    n = c.get("n_shared_experts", 0)
+    return {"intermediate_size": n * c.need("moe_intermediate_size"), "gate": "none"} if n else None
+
+
+def _sparse_step_dense(c: Cfg, layer: int) -> str | None:
+    """Qwen2/Qwen3 MoE and Qwen3-Next: mlp_only_layers, then decoder_sparse_step."""
+    if layer in c.get("mlp_only_layers", []):
+        return f"it is listed in mlp_only_layers={c.get('mlp_only_layers', [])}"
+    step = c.get("decoder_sparse_step", 1)
+    if (layer + 1) % step:
+        return f"decoder_sparse_step={step} makes only layers with (layer + 1) % {step} == 0 MoE"
+    return None
+
+
+def _first_k_dense(c: Cfg, layer: int, default: int = 0) -> str | None:
+    k, freq = c.get("first_k_dense_replace", default), c.get("moe_layer_freq", 1)
+    if layer < k:
+        return f"first_k_dense_replace={k} makes layers 0..{k - 1} dense"
+    if (layer - k) % freq:  # the DeepSeek authors' rule; every published config has freq 1
+        return f"moe_layer_freq={freq} makes only every {freq}th layer from {k} MoE"
+    return None
+
+
+# ----------------------------------------------------------------------------- families
+
+
+def _mixtral(c: Cfg, layer: int) -> dict[str, Any]:
+    return {"experts": _experts(c, "num_local_experts", "intermediate_size"), "routing": {"renormalize": True}}
+
+
+def _qwen(c: Cfg, shared: bool, renorm_default: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {"experts": _experts(c, "num_experts", "moe_intermediate_size")}
+    if shared:
+        d["shared_expert"] = {"intermediate_size": c.need("shared_expert_intermediate_size"), "gate": "sigmoid"}
+    d["routing"] = {"renormalize": c.get("norm_topk_prob", renorm_default)}
+    return d
+
+
+def _olmoe(c: Cfg, layer: int) -> dict[str, Any]:
+    return {"experts": _experts(c, "num_experts", "intermediate_size"),
+            "routing": {"renormalize": c.get("norm_topk_prob", False)}}
+
+
+def _deepseek_v2(c: Cfg, layer: int) -> dict[str, Any]:
+    method = c.get("topk_method", "greedy")
+    if method != "greedy":  # group_limited_greedy ranks groups by their max, the schema by a top-2 sum
+        raise UnsupportedConfig(f"{c.source}: topk_method={method!r} (group score = max) is not expressible; "
+                                "the spec's grouped top-k ranks groups by their top-2 sum (DeepSeek-V3)")
+    # transformers' DeepseekV2 ignores norm_topk_prob; the authors' code renormalizes when it is set.
+    return {"experts": _experts(c, "n_routed_experts", "moe_intermediate_size"), "shared_expert": _ungated_shared(c),
+            "routing": {"score": c.get("scoring_func", "softmax"), "renormalize": c.get("norm_topk_prob", False),
+                        "routed_scaling_factor": c.get("routed_scaling_factor", 1.0)}}
+
+
+def _sigmoid_grouped(c: Cfg, renorm: bool, scale: float) -> dict[str, Any]:
+    """DeepSeek-V3, Kimi-K2, GLM-4.5 (note A): sigmoid, selection-only bias, grouped top-k."""
+    method = c.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise UnsupportedConfig(f"{c.source}: topk_method={method!r}: only noaux_tc (correction bias) is supported")
+    return {"experts": _experts(c, "n_routed_experts", "moe_intermediate_size"), "shared_expert": _ungated_shared(c),
+            "routing": {"score": c.get("scoring_func", "sigmoid"), "renormalize": c.get("norm_topk_prob", renorm),
+                        "routed_scaling_factor": c.get("routed_scaling_factor", scale), "correction_bias": True,
+                        "n_group": c.get("n_group", 1), "topk_group": c.get("topk_group", 1)}}
+
+
+def _v4_kind(c: Cfg, layer: int) -> str:
+    n = c.need("num_hidden_layers")
+    kinds = c.get("mlp_layer_types", None)
+    if kinds is None:  # transformers: the first num_hash_layers (default 3) layers are hash-routed
+        h = c.get("num_hash_layers", 3)
+        kinds = ["hash_moe"] * min(n, h) + ["moe"] * max(0, n - h)
+    return kinds[layer]
+
+
+def _deepseek_v4(c: Cfg, layer: int) -> dict[str, Any]:
+    hashed = _v4_kind(c, layer) == "hash_moe"
+    score = {"sqrtsoftplus": "sqrt_softplus"}.get(c.get("scoring_func", "sqrtsoftplus"), c.get("scoring_func", ""))
+    limit = float(c.get("swiglu_limit", 10.0))
+    experts = _experts(c, "n_routed_experts", "moe_intermediate_size")
+    experts["activation"] = {**experts.get("activation", {}), "limit": limit}
+    # MODELS.md note E: disputed between implementations; transformers' DeepseekV4MLP clamps it.
+    shared = {"intermediate_size": c.get("n_shared_experts", 1) * c.need("moe_intermediate_size"), "clamp": True}
+    routing = {"score": score, "renormalize": c.get("norm_topk_prob", True),
+               "routed_scaling_factor": c.get("routed_scaling_factor", 1.5)}
+    routing.update({"hash_vocab_size": c.need("vocab_size")} if hashed else {"correction_bias": True})
+    return {"experts": experts, "shared_expert": shared, "routing": routing}
+
+
+def _gpt_oss(c: Cfg, layer: int) -> dict[str, Any]:
+    experts = _experts(c, "num_local_experts", "intermediate_size")
+    experts.update(bias=True, activation={"kind": "swiglu_clamped", "alpha": float(c.get("swiglu_alpha", 1.702)),
+                                          "limit": float(c.get("swiglu_limit", 7.0)), "interleaved_gate_up": True})
+    return {"experts": experts, "router": {"bias": True}, "routing": {"select": "logits"}}
+
+
+def _llama4_layers(c: Cfg) -> list[int]:
+    step = c.get("interleave_moe_layer_step", 1)
+    return list(c.get("moe_layers", range(step - 1, c.need("num_hidden_layers"), step)))
+
+
+def _llama4(c: Cfg, layer: int) -> dict[str, Any]:
+    return {"experts": _experts(c, "num_local_experts", "intermediate_size"),
+            "shared_expert": {"intermediate_size": c.need("intermediate_size"), "gate": "none"},
+            "routing": {"score": "sigmoid", "select": "logits", "weight_on_input": True}}
+
+
+def _llama4_dense(c: Cfg, layer: int) -> str | None:
+    moe = _llama4_layers(c)
+    if layer in moe:
+        return None
+    return f"interleave_moe_layer_step={c.get('interleave_moe_layer_step', 1)} makes only layers {moe[:4]}... MoE"
+
+
+def _phimoe(c: Cfg, layer: int) -> dict[str, Any]:
+    if c.get("num_experts_per_tok", 2) != 2:  # sparsemixer() runs exactly two rounds
+        raise UnsupportedConfig(f"{c.source}: num_experts_per_tok={c.data['num_experts_per_tok']}: "
+                                "PhiMoE's SparseMixer always routes to 2 experts")
+    return {"experts": _experts(c, "num_local_experts", "intermediate_size"),
+            "routing": {"score": "sparsemixer", "sparsemixer_eps": float(c.get("router_jitter_noise", 0.01))}}
+
+
+def _longcat(c: Cfg, layer: int) -> dict[str, Any]:
+    if c.get("zero_expert_type", "identity") != "identity":
+        raise UnsupportedConfig(f"{c.source}: zero_expert_type={c.data['zero_expert_type']!r}: only identity")
+    experts = _experts(c, "n_routed_experts", "expert_ffn_hidden_size", top_k="moe_topk")
+    experts["zero_experts"] = c.get("zero_expert_num", 0)
+    return {"experts": experts, "router": {"bias": c.get("router_bias", False)},
+            "routing": {"routed_scaling_factor": c.get("routed_scaling_factor", 6.0), "correction_bias": True}}
+
+
+def _summary_mixtral(s: Spec) -> str:
+    k = s.experts.top_k
+    return f"{s.experts.count} experts, top-{k}, softmax over all -> top-{k} -> renormalize"
+
+
+def _summary_qwen3(s: Spec) -> str:
+    tail = "renormalize" if s.routing.renormalize else "no renorm"
+    return f"{s.experts.count} experts, top-{s.experts.top_k}, softmax -> top-k -> {tail}"
+
+
+_QWEN2 = Family(("qwen2_moe",), ("Qwen2MoeForCausalLM",), lambda c, L: _qwen(c, True, False), _sparse_step_dense)
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(("mixtral",), ("MixtralForCausalLM",), _mixtral, summary=_summary_mixtral),
+    "qwen2_moe": _QWEN2,
+    "qwen3_moe": Family(("qwen3_moe",), ("Qwen3MoeForCausalLM",), lambda c, L: _qwen(c, False, False),
+                        _sparse_step_dense, summary=_summary_qwen3),
+    "qwen3_next": Family(("qwen3_next",), ("Qwen3NextForCausalLM",), lambda c, L: _qwen(c, True, True),
+                         _sparse_step_dense),
+    "olmoe": Family(("olmoe",), ("OlmoeForCausalLM",), _olmoe),
+    "deepseek_v2": Family(("deepseek_v2",), ("DeepseekV2ForCausalLM",), _deepseek_v2, _first_k_dense, scaled=True),
+    "deepseek_v3": Family(("deepseek_v3", "kimi_k2"), ("DeepseekV3ForCausalLM",),
+                          lambda c, L: _sigmoid_grouped(c, True, 2.5), lambda c, L: _first_k_dense(c, L, 3),
+                          scaled=True),
+    "deepseek_v4": Family(("deepseek_v4",), ("DeepseekV4ForCausalLM",), _deepseek_v4, scaled=True),
+    "glm4_moe": Family(("glm4_moe",), ("Glm4MoeForCausalLM",), lambda c, L: _sigmoid_grouped(c, True, 1.0),
+                       lambda c, L: _first_k_dense(c, L, 1), scaled=True),
+    "gpt_oss": Family(("gpt_oss",), ("GptOssForCausalLM",), _gpt_oss, fused_transposed=True),
+    "llama4": Family(("llama4", "llama4_text"), ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), _llama4,
+                     _llama4_dense, fused_transposed=True),
+    "phimoe": Family(("phimoe",), ("PhiMoEForCausalLM", "PhimoeForCausalLM"), _phimoe),
+    "longcat_flash": Family(("longcat_flash",), ("LongcatFlashForCausalLM",), _longcat, layers_field="num_layers",
+                            scaled=True),
+}
