@@ -108,11 +108,20 @@ def _random_x(plan: Plan, n: int, rng: np.random.Generator) -> Any:
 
 
 def floor_bytes(plan: Plan, n: int, distinct_experts: int) -> int:
-    """Bytes a layer call must move: hit experts, router, shared expert, x in and out."""
+    """Bytes a layer call must move: the hit experts and the shared expert in their stored format
+    (FP8 block: one byte per weight plus the fp32 scale of each 128x128 block), the router, and
+    x in and out."""
     h, i, si = plan.hidden, plan.inter, plan.shared_inter
-    experts = distinct_experts * 3 * h * i * 2
+    fmt = {pw.name: pw.format for pw in plan.weights}
+
+    def matrix(rows: int, cols: int, f: str) -> int:
+        if f == "fp8_block":
+            return rows * cols + 4 * -(-rows // 128) * -(-cols // 128)
+        return 2 * rows * cols
+
+    experts = distinct_experts * (2 * matrix(i, h, fmt["w13"]) + matrix(h, i, fmt["w2"]))
+    shared = 2 * matrix(si, h, fmt["ws13"]) + matrix(h, si, fmt["ws2"]) if si else 0
     router = (plan.experts + int(plan.shared_gate)) * h * 2
-    shared = 3 * h * si * 2
     return experts + router + shared + 2 * n * h * 2
 
 

@@ -229,8 +229,8 @@ def _summary_mixtral(s: Spec) -> str:
 
 
 def _summary_qwen3(s: Spec) -> str:
-    tail = "renormalize" if s.routing.renormalize else "no renorm"
-    return f"{s.experts.count} experts, top-{s.experts.top_k}, softmax -> top-k -> {tail}"
+    tail = " -> renormalize" if s.routing.renormalize else ", no renorm"
+    return f"{s.experts.count} experts, top-{s.experts.top_k}, softmax -> top-k{tail}"
 
 
 _QWEN2 = Family(("qwen2_moe",), ("Qwen2MoeForCausalLM",), lambda c, L: _qwen(c, True, False), _sparse_step_dense)
@@ -256,3 +256,234 @@ FAMILIES: dict[str, Family] = {
     "longcat_flash": Family(("longcat_flash",), ("LongcatFlashForCausalLM",), _longcat, layers_field="num_layers",
                             scaled=True),
 }
+
+
+# ----------------------------------------------------------------------------- weight formats
+
+
+def _excluded(q: dict[str, Any], module: str) -> bool:
+    """transformers' / ModelOpt's skip lists: exact names, suffixes or fnmatch patterns."""
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or q.get("exclude_modules") or []
+    return any(fnmatch(module, p) or fnmatch(module, f"*{p}") or module.startswith(f"{p}.") for p in skip)
+
+
+def _formats(c: Cfg, body: dict[str, Any], layer: int) -> None:
+    """quantization_config -> experts/shared_expert/router formats, in place."""
+    q = c.get("quantization_config", None)
+    if not q:
+        return
+    method, where = q.get("quant_method"), f"{c.source}: quantization_config"
+    if method == "fp8":
+        if q.get("scale_fmt", "float") != "float" or q.get("expert_dtype", "fp8") != "fp8":
+            raise UnsupportedConfig(f"{where}: scale_fmt={q.get('scale_fmt')!r}, expert_dtype="
+                                    f"{q.get('expert_dtype')!r} (DeepSeek-V4 formats) have no spec format yet")
+        block = q.get("weight_block_size")
+        if block not in (None, [128, 128]):
+            raise UnsupportedConfig(f"{where}: weight_block_size={block}: only [128, 128] FP8 blocks are supported")
+        fmt = "fp8_block" if block else "fp8_tensor"
+        router = None  # the DeepSeek / Qwen FP8 releases leave the router unquantized
+    elif method == "mxfp4":
+        fmt, router = "mxfp4", None
+    elif method == "modelopt" and q.get("quant_algo") in ("NVFP4", "FP8"):
+        fmt = router = "nvfp4" if q["quant_algo"] == "NVFP4" else "fp8_tensor"
+    else:
+        raise UnsupportedConfig(f"{where}: quant_method={method!r} (quant_algo={q.get('quant_algo')!r}) "
+                                "is not a format moegen knows (fp8, mxfp4, modelopt NVFP4/FP8)")
+    mlp = f"model.layers.{layer}.mlp"
+    if not _excluded(q, f"{mlp}.experts"):
+        body["experts"]["format"] = fmt
+        if fmt == "fp8_block" and q.get("activation_scheme", "dynamic") == "dynamic":
+            body["experts"]["fp8_activations"] = True
+    if body.get("shared_expert") and not any(_excluded(q, f"{mlp}.{m}") for m in ("shared_expert", "shared_experts")):
+        body["shared_expert"]["format"] = fmt
+    if router and not any(_excluded(q, f"{mlp}.{m}") for m in ("gate", "router")):
+        body.setdefault("router", {})["format"] = router
+
+
+# ----------------------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class Imported:
+    spec: Spec
+    family: str
+    layer: int
+    text: str  # the YAML file, comment line first
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{p}: no such config file") from None
+    except OSError as exc:
+        raise HFError(f"{p}: cannot read the config: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise HFError(f"{p}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise HFError(f"{p}: a config.json must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def family_of(data: dict[str, Any], source: str) -> tuple[str, Family]:
+    mt, archs = data.get("model_type"), data.get("architectures") or []
+    for key, fam in FAMILIES.items():
+        if mt in fam.model_types:
+            return key, fam
+    for key, fam in FAMILIES.items():
+        if any(a in fam.architectures for a in archs):
+            return key, fam
+    raise UnknownArchitecture(f"{source}: unknown model: architectures={archs}, model_type={mt!r}; "
+                              f"moegen imports {', '.join(FAMILIES)}")
+
+
+def _text_cfg(data: dict[str, Any], source: str) -> Cfg:
+    if isinstance(data.get("text_config"), dict):  # Llama-4: the language model's fields are nested
+        return Cfg({"quantization_config": data.get("quantization_config"), **data["text_config"]}, source,
+                   "text_config.")
+    return Cfg(data, source)
+
+
+def moe_layers(path: str | Path) -> tuple[str, int, dict[int, str | None]]:
+    """(family, layer count, {layer: None if MoE else why it is dense}) of a config.json."""
+    data = read_config(path)
+    key, fam = family_of(data, str(path))
+    c = _text_cfg(data, str(path))
+    n = int(c.need(fam.layers_field))
+    return key, n, {i: fam.dense(c, i) for i in range(n)}
+
+
+def _pick_layer(c: Cfg, fam: Family, layer: int | None) -> int:
+    n = int(c.need(fam.layers_field))
+    if layer is None:  # the first MoE layer
+        layer = next((i for i in range(n) if fam.dense(c, i) is None), None)
+        if layer is None:
+            raise LayerError(f"{c.source}: no MoE layer among the {n} layers")
+        return layer
+    if not 0 <= layer < n:
+        raise LayerError(f"{c.source}: layer {layer} is out of range: the model has layers 0..{n - 1} "
+                         f"({c.prefix}{fam.layers_field}={n})")
+    why = fam.dense(c, layer)
+    if why:
+        raise LayerError(f"{c.source}: layer {layer} is dense, not MoE: {why}")
+    return layer
+
+
+def _model_id(data: dict[str, Any], path: Path, model: str | None) -> str:
+    if model:
+        return model
+    named = data.get("_name_or_path")
+    if isinstance(named, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", named):
+        return named
+    m = re.search(r"models--([^/]+?)--([^/]+)", str(path.resolve()))
+    if m:  # a Hugging Face cache snapshot: .../models--<org>--<repo>/snapshots/<hash>/config.json
+        return f"{m[1]}/{m[2]}"
+    raise MissingField(f"{path}: cannot tell the model's repo id: pass --model org/name "
+                       "(or give the config an _name_or_path)")
+
+
+def import_config(path: str | Path, layer: int | None = None, name: str | None = None, model: str | None = None,
+                  out: str | Path | None = None, check_generated: bool = False) -> Imported:
+    """The Spec of one MoE layer of a Hugging Face config.json, and its YAML text."""
+    p = Path(path)
+    data = read_config(p)
+    key, fam = family_of(data, str(p))
+    c = _text_cfg(data, str(p))
+    L = _pick_layer(c, fam, layer)
+    body = fam.body(c, L)
+    _formats(c, body, L)
+    model_id = _model_id(data, p, model)
+    if not name:
+        stem = Path(out).stem if out else model_id.rsplit("/", 1)[-1]
+        name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._") or "model"
+    d = {"name": name, "model": model_id, "hidden_size": c.need("hidden_size"), **body}
+    d = {k: v for k, v in d.items() if v is not None}
+    spec = parse_spec(d, f"{p} (layer {L})", check_generated=check_generated)
+    return Imported(spec, key, L, to_yaml(spec, fam, c))
+
+
+# ----------------------------------------------------------------------------- YAML, as specs/*.yaml
+
+
+# The routing rule is always written out, defaults or not: it is what a reader checks first.
+_ALWAYS = {"router.logits_dtype", "routing.score", "routing.select", "routing.renormalize", "shared_expert.gate"}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    return getattr(value, "value", value)  # enums as their YAML spelling
+
+
+def _trim(model: BaseModel, always: set[str], prefix: str = "") -> dict[str, Any]:
+    """Required fields, `always`, and whatever differs from the schema default, in field order."""
+    out: dict[str, Any] = {}
+    for fname, field in type(model).model_fields.items():
+        value, dotted = getattr(model, fname), prefix + fname
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            sub = _trim(value, always, dotted + ".")
+            if sub or default is None:
+                out[fname] = sub
+        elif field.is_required() or dotted in always or value != default:
+            out[fname] = _plain(value)
+    return out
+
+
+def _display(model_id: str) -> str:
+    base = model_id.rsplit("/", 1)[-1]
+    base = re.sub(r"(-(Instruct|Chat|Base))+$", "", base, flags=re.IGNORECASE)
+    return re.sub(r"-v\d+(\.\d+)*$", "", base)
+
+
+def _summary(s: Spec, c: Cfg, scaled: bool) -> str:
+    e, r, k = s.experts, s.routing, s.experts.top_k
+    head = f"{e.count} experts" + (f" + {e.zero_experts} zero (identity) experts" if e.zero_experts else "")
+    score = {"sqrt_softplus": "sqrt(softplus)", "sparsemixer": "SparseMixer"}.get(r.score.value, r.score.value)
+    if r.hash_vocab_size:
+        route = f"hash routing (tid2eid) -> {score} weights"
+    elif r.score.value == "sparsemixer":
+        route = f"SparseMixer top-{k}"
+    elif r.select.value == "logits":
+        route = f"top-{k} on logits -> {score}" + (", times the expert input" if r.weight_on_input else "")
+    else:
+        route = score + (" + correction bias" if r.correction_bias else "")
+        route += f" -> best {r.topk_group} of {r.n_group} groups" if r.n_group > 1 else ""
+        route += f" -> {'greedy ' if c.get('topk_method', None) == 'greedy' else ''}top-{k}"
+    if r.select.value == "scores" and r.score.value != "sparsemixer":
+        route += " -> renormalize" if r.renormalize else ", no renorm"
+    route += f", scale {r.routed_scaling_factor}" if scaled else ""
+    return f"{head}, {route}"
+
+
+def _extras(s: Spec, c: Cfg) -> str:
+    out, a = [], s.experts.activation
+    if a.kind.value == "swiglu_clamped":
+        out.append(f"clamped SwiGLU (alpha {a.alpha}, limit {a.limit})")
+    elif a.limit is not None:
+        out.append(f"SiLU clamped at {a.limit}")
+    if s.experts.bias:
+        out.append("expert biases")
+    if s.experts.format.value != "bf16":
+        out.append(f"{s.experts.format.value} experts")
+    sh = s.shared_expert
+    if sh is not None and sh.gate == "sigmoid":
+        out.append(f"shared MLP {sh.intermediate_size} times a sigmoid gate")
+    elif sh is not None:
+        n = c.get("n_shared_experts", 1)
+        out.append(f"{n} shared experts as one ungated MLP {sh.intermediate_size}" if n > 1
+                   else f"shared MLP {sh.intermediate_size}, ungated")
+    return "".join(f"; {x}" for x in out)
+
+
+def to_yaml(spec: Spec, fam: Family, c: Cfg) -> str:
+    """The spec file: one comment line naming the model and its routing, then the fields."""
+    always = _ALWAYS | ({"routing.routed_scaling_factor"} if fam.scaled else set())
+    summary = fam.summary(spec) if fam.summary else _summary(spec, c, fam.scaled)
+    head = f"# {_display(spec.model)} ({spec.model}): {summary}{_extras(spec, c)}.\n"
+    return head + yaml.safe_dump(_trim(spec, always), sort_keys=False, default_flow_style=False)
+
+
+__all__ = ["FAMILIES", "HFError", "Imported", "LayerError", "MissingField", "SpecError", "UnknownArchitecture",
+           "UnsupportedConfig", "family_of", "import_config", "moe_layers", "read_config"]
