@@ -139,7 +139,9 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     device = Device()
     device.set_current()
     rng = np.random.default_rng()
-    stack: list[Layer] = [load(gen, _random_weights(plan, rng), device=device) for _ in range(layers)]
+    weights = [_random_weights(plan, rng) for _ in range(layers)]
+    stack: list[Layer] = [load(gen, w, device=device) for w in weights]
+    compare = compare and _can_compare(spec)
     timer = _Timer()
     bw = copy_bandwidth(timer, device)
     props = device.properties
@@ -156,6 +158,12 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
         if stages:
             row["stages_us"] = _stage_times(timer, stack, xs, n)
+        if compare:
+            from .baselines import time_baselines
+
+            for name, us in time_baselines(spec, plan, weights, xs).items():
+                row[f"{name}_us"] = us
+                row[f"speedup_vs_{name}"] = us / row["us"]
         rows.append(row)
     result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
               "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
@@ -164,6 +172,19 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _can_compare(spec: Any) -> bool:
+    """The PyTorch baselines run the BF16 softmax-routed layers, where PyTorch is importable."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("--compare: PyTorch is not importable here; baselines skipped")
+        return False
+    if spec.experts.format.value != "bf16" or (spec.shared_expert and spec.shared_expert.format.value != "bf16"):
+        print("--compare: the PyTorch baselines take BF16 weights; skipped for this spec")
+        return False
+    return True
 
 
 def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> dict[str, float]:
@@ -191,8 +212,11 @@ def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> di
 def _print(r: dict) -> None:
     print(f"{r['spec']} on {r['gpu']} ({r['sm_count']} SMs), {r['date']}: copy bandwidth "
           f"{r['copy_bandwidth_gbps']:.0f} GB/s, {r['layers_per_replay']} layers per graph replay")
-    print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9}  stages (us)")
+    print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9}  stages (us) / baselines")
     for row in r["rows"]:
         st = " ".join(f"{k}={v:.1f}" for k, v in row.get("stages_us", {}).items())
+        for name in ("torch_loop", "torch_grouped_mm"):
+            if f"{name}_us" in row:
+                st += f" {name}={row[f'{name}_us']:.1f}us (x{row[f'speedup_vs_{name}']:.2f})"
         print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
-              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%}  {st}")
+              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%}  {st.strip()}")
