@@ -46,6 +46,21 @@ _PROJ = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_p
 _SHARED = ("shared_expert", "shared_experts", "shared_mlp")
 
 
+# safetensors' NumPy backend has no FP8 dtypes (it asks numpy for them): those are read from the
+# file directly, by the header's offsets, as ml_dtypes arrays.
+_RAW = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+
+
+def _raw(f: Path, name: str) -> np.ndarray:
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        meta = json.loads(fh.read(n))[name]
+        start, end = meta["data_offsets"]
+        fh.seek(8 + n + start)
+        data = np.frombuffer(fh.read(end - start), np.uint8)
+    return data.view(_RAW[meta["dtype"]]).reshape(meta["shape"])
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot give the layer; one line naming the tensor and the file."""
 
@@ -90,10 +105,12 @@ class _Layer:
         pattern = re.compile(_BLOCK.format(layer=layer))
         self.root, self.layer, self._stack = root, layer, stack
         self.full: dict[str, str] = {}
+        self.prefix = f"model.layers.{layer}.mlp."  # the block's name prefix, as this checkpoint spells it
         for name in files:
             m = pattern.search(name)
             if m:
                 self.full[name[m.end():]] = name
+                self.prefix = name[: m.end()]
         self.files = files
         self._open: dict[Path, Any] = {}
         if not self.full:
@@ -109,13 +126,14 @@ class _Layer:
         full = self.full.get(local)
         if full is None:
             want = f" {list(shape)}" if shape else ""
-            raise MissingTensor(f"{self.root}: missing tensor '<layers.{self.layer} MoE block>.{local}'{want} ({what})")
+            raise MissingTensor(f"{self.root}: missing tensor {self.prefix}{local}{want} ({what})")
         f = self.files[full]
         if f not in self._open:
             if not f.is_file():
                 raise MissingTensor(f"{f}: no such shard file (the index puts {full} there)")
             self._open[f] = self._stack.enter_context(safe_open(f, framework="numpy"))
-        a = self._open[f].get_tensor(full)
+        h = self._open[f]
+        a = _raw(f, full) if h.get_slice(full).get_dtype() in _RAW else h.get_tensor(full)
         if shape is not None and tuple(a.shape) != shape:
             raise ShapeError(f"{f}: {full} has shape {list(a.shape)}, expected {list(shape)} ({what})")
         return a

@@ -46,6 +46,14 @@ class UnsupportedConfig(HFError):
     """The config asks for something the Spec schema cannot express."""
 
 
+# transformers' attribute_map aliases: save_pretrained may write either name (Qwen3MoeConfig
+# writes num_local_experts for num_experts, LongcatFlashConfig moe_topk, ...).
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_ALIASES = {**{k: tuple(x for x in _EXPERTS if x != k) for k in _EXPERTS},
+            "num_experts_per_tok": ("moe_topk",), "moe_topk": ("num_experts_per_tok",),
+            "expert_ffn_hidden_size": ("moe_intermediate_size",)}
+
+
 class Cfg:
     """One config mapping and where it came from, so every error can name the file and field."""
 
@@ -53,9 +61,10 @@ class Cfg:
         self.data, self.source, self.prefix = data, source, prefix
 
     def need(self, key: str) -> Any:
-        if self.data.get(key) is None:
-            raise MissingField(f"{self.source}: missing field {self.prefix}{key!r}, which the spec needs")
-        return self.data[key]
+        for k in (key, *_ALIASES.get(key, ())):
+            if self.data.get(k) is not None:
+                return self.data[k]
+        raise MissingField(f"{self.source}: missing field {self.prefix}{key!r}, which the spec needs")
 
     def get(self, key: str, default: Any) -> Any:
         value = self.data.get(key)
@@ -110,7 +119,7 @@ def _sparse_step_dense(c: Cfg, layer: int) -> str | None:
 def _first_k_dense(c: Cfg, layer: int, default: int = 0) -> str | None:
     k, freq = c.get("first_k_dense_replace", default), c.get("moe_layer_freq", 1)
     if layer < k:
-        return f"first_k_dense_replace={k} makes layers 0..{k - 1} dense"
+        return f"first_k_dense_replace={k} makes {f'layers 0..{k - 1}' if k > 1 else 'layer 0'} dense"
     if (layer - k) % freq:  # the DeepSeek authors' rule; every published config has freq 1
         return f"moe_layer_freq={freq} makes only every {freq}th layer from {k} MoE"
     return None
@@ -384,8 +393,9 @@ def _model_id(data: dict[str, Any], path: Path, model: str | None) -> str:
 
 
 def import_config(path: str | Path, layer: int | None = None, name: str | None = None, model: str | None = None,
-                  out: str | Path | None = None, check_generated: bool = False) -> Imported:
-    """The Spec of one MoE layer of a Hugging Face config.json, and its YAML text."""
+                  out: str | Path | None = None, check_generated: bool = False, minimal: bool = False) -> Imported:
+    """The Spec of one MoE layer of a Hugging Face config.json, and its YAML text (minimal: only
+    the fields that differ from the schema defaults; else the routing rule is written in full)."""
     p = Path(path)
     data = read_config(p)
     key, fam = family_of(data, str(p))
@@ -400,7 +410,7 @@ def import_config(path: str | Path, layer: int | None = None, name: str | None =
     d = {"name": name, "model": model_id, "hidden_size": c.need("hidden_size"), **body}
     d = {k: v for k, v in d.items() if v is not None}
     spec = parse_spec(d, f"{p} (layer {L})", check_generated=check_generated)
-    return Imported(spec, key, L, to_yaml(spec, fam, c))
+    return Imported(spec, key, L, to_yaml(spec, fam, c, minimal))
 
 
 # ----------------------------------------------------------------------------- YAML, as specs/*.yaml
@@ -477,9 +487,9 @@ def _extras(s: Spec, c: Cfg) -> str:
     return "".join(f"; {x}" for x in out)
 
 
-def to_yaml(spec: Spec, fam: Family, c: Cfg) -> str:
+def to_yaml(spec: Spec, fam: Family, c: Cfg, minimal: bool = False) -> str:
     """The spec file: one comment line naming the model and its routing, then the fields."""
-    always = _ALWAYS | ({"routing.routed_scaling_factor"} if fam.scaled else set())
+    always = set() if minimal else _ALWAYS | ({"routing.routed_scaling_factor"} if fam.scaled else set())
     summary = fam.summary(spec) if fam.summary else _summary(spec, c, fam.scaled)
     head = f"# {_display(spec.model)} ({spec.model}): {summary}{_extras(spec, c)}.\n"
     return head + yaml.safe_dump(_trim(spec, always), sort_keys=False, default_flow_style=False)

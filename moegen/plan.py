@@ -125,6 +125,8 @@ class Plan:
     workspace: tuple[Buffer, ...]
     weights: tuple[PackedWeight, ...]
     asserts: tuple[Assert, ...]
+    route_rule: tuple[tuple[str, str, str], ...]  # (C type, name, value) of the layer's RouteRule constants
+    raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
 
     def kernel(self, name: str) -> Kernel:
@@ -170,11 +172,16 @@ def _ksplit(tiles: int, kc: int, target: Target) -> int:
 
 def _routing_desc(spec: Spec) -> str:
     r, e = spec.routing, spec.experts
-    logits = f"{spec.router.logits_dtype} logits"
+    logits = f"{spec.router.logits_dtype} logits" + (" with bias" if spec.router.bias else "")
     if r.select is Select.scores:
-        s = f"softmax over {e.count} experts ({logits}) -> top-{e.top_k}"
+        s = f"{r.score.value} over {e.count} experts ({logits})"
+        if r.correction_bias:
+            s += " + correction bias for selection"
+        if r.n_group > 1:
+            s += f" -> best {r.topk_group} of {r.n_group} groups (sum of each group's top-2)"
+        s += f" -> top-{e.top_k}"
     else:
-        s = f"top-{e.top_k} of {e.count} raw logits ({logits}) -> softmax over the {e.top_k}"
+        s = f"top-{e.top_k} of {e.count} raw logits ({logits}) -> {r.score.value} over the {e.top_k}"
     if r.renormalize:
         s += " -> renormalize"
     if r.routed_scaling_factor != 1.0:
@@ -216,31 +223,34 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
 
     kernels: dict[str, Kernel] = {}
 
-    select_logits = spec.routing.select is Select.logits
-    route_targs = (str(e), str(k), _b(select_logits), _b(spec.routing.renormalize),
-                   _b(spec.router.logits_dtype == "bf16"), _b(gated))
-    scale = spec.routing.routed_scaling_factor
-    route_tag = (f"e{e}_k{k}_{'logits' if select_logits else 'softmax'}{'_renorm' if spec.routing.renormalize else ''}"
-                 f"{f'_x{scale:g}' if scale != 1.0 else ''}{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
-    route_params = ("int* __restrict__ topk_ids", "float* __restrict__ topk_w", "int* __restrict__ pair_pos",
+    r = spec.routing
+    select_logits = r.select is Select.logits
+    scale = r.routed_scaling_factor
+    route_tag = (f"e{e}_k{k}_{r.score.value}_{'logits' if select_logits else 'scores'}"
+                 f"{'_cbias' if r.correction_bias else ''}{'_rbias' if spec.router.bias else ''}"
+                 f"{f'_g{r.n_group}of{r.topk_group}' if r.n_group > 1 else ''}"
+                 f"{'_renorm' if r.renormalize else ''}{'_x' + f'{scale:g}'.replace('.', 'p') if scale != 1.0 else ''}"
+                 f"{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
+    route_params = ("const float* __restrict__ corr_bias", "const float* __restrict__ router_bias",
+                    "int* __restrict__ topk_ids", "float* __restrict__ topk_w", "int* __restrict__ pair_pos",
                     "float* __restrict__ gate_s", "int* __restrict__ num_slots", "int* __restrict__ slot_expert",
                     "int* __restrict__ slot_begin", "int* __restrict__ slot_token", "int n")
-    route_args = ("topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots", "slot_expert", "slot_begin",
-                  "slot_token", f"{scale!r}f", "n")
-    route_keys = ("ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.num_slots", "ws.slot_expert",
-                  "ws.slot_begin", "ws.slot_token", "n")
+    route_args = ("corr_bias", "router_bias", "topk_ids", "topk_w", "pair_pos", "gate_s", "num_slots",
+                  "slot_expert", "slot_begin", "slot_token", "n")
+    route_keys = ("w.corr_bias", "w.router_bias", "ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s",
+                  "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token", "n")
 
     def router(nt: int, fused: bool) -> str:
         name = (f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}_n{nmax}" + (f"_route_{route_tag}" if fused else "")
                 + f"_{suffix}")
-        # Without the route, its parameters are fixed placeholders: the name carries all that shapes the code.
-        rt = route_targs if fused else ("1", "1", "false", "false", "false", "false")
+        # Without the route, the route's parameters are fixed placeholders: the name carries all that shapes the code.
+        rt = (str(e), str(k), _b(gated)) if fused else ("1", "1", "false")
         kernels.setdefault(name, Kernel(
             name, "router", WARPS * 32,
             targs=(*map(str, (kc_h, nt, WARPS, _depth(1, nt), ksplit, rows_pad, nmax)), _b(fused), *rt),
             params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* logits",
                     "int* route_done", *route_params),
-            args=("wr", "x", "logits", "route_done", *route_args[:-2], f"{scale if fused else 1.0!r}f", "n"),
+            args=("wr", "x", "logits", "route_done", *route_args),
             arg_keys=("w.router", "x", "ws.logits", "ws.route_done", *route_keys),
             body="router_logits_body",
             comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass"
@@ -251,11 +261,22 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     route_name = f"moe_route_{route_tag}_ks{ksplit}_n{nmax}_{spec.arch}"
     kernels[route_name] = Kernel(
         route_name, "route", ROUTE_THREADS,
-        targs=(str(e), str(rows_pad), str(k), str(ksplit), str(nmax), *route_targs[2:], str(ROUTE_THREADS)),
+        targs=(str(e), str(rows_pad), str(k), str(ksplit), str(nmax), _b(gated), str(ROUTE_THREADS)),
         params=("const float* __restrict__ logits", *route_params),
         args=("logits", *route_args),
         arg_keys=("ws.logits", *route_keys),
         body="route_kernel_body", comment=f"route: {_routing_desc(spec)}; tokens grouped by expert",
+    )
+    route_rule = (
+        ("int", "SCORE", "MOE_SCORE_SOFTMAX" if r.score.value == "softmax" else "MOE_SCORE_SIGMOID"),
+        ("bool", "SELECT_LOGITS", _b(select_logits)),
+        ("bool", "CORR_BIAS", _b(r.correction_bias)),
+        ("bool", "ROUTER_BIAS", _b(spec.router.bias)),
+        ("int", "NGROUP", str(r.n_group)),
+        ("int", "TOPK_GROUP", str(r.topk_group)),
+        ("bool", "RENORM", _b(r.renormalize)),
+        ("float", "SCALE", f"{scale!r}f"),
+        ("bool", "LOGITS_BF16", _b(spec.router.logits_dtype == "bf16")),
     )
 
     def gate_up(nt: int, nts: int) -> str:
@@ -352,6 +373,11 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("route_done", "int32", (1,)),  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
+    raw = []
+    if r.correction_bias:
+        raw.append(Buffer("corr_bias", "float32", (e,)))
+    if spec.router.bias:
+        raw.append(Buffer("router_bias", "float32", (e,)))
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
     weights = [
         PackedWeight("router", router_sources, 1, False, 0, e + int(gated), rows_pad, h),
@@ -377,7 +403,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         rows_pad=rows_pad, ksplit=ksplit, max_tokens=nmax, slots_max=slots_max,
         routing_desc=_routing_desc(spec), expert_bytes=3 * h * i * 2,
         kernels=tuple(kernels.values()), buckets=tuple(buckets), workspace=workspace,
-        weights=tuple(weights), asserts=asserts,
+        weights=tuple(weights), asserts=asserts, route_rule=route_rule, raw=tuple(raw),
     )
 
 
@@ -396,5 +422,7 @@ def plan_from_dict(d: dict) -> Plan:
     d["weights"] = tuple(PackedWeight(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()})
                          for w in d["weights"])
     d["asserts"] = tuple(Assert(**a) for a in d["asserts"])
+    d["route_rule"] = tuple(tuple(x) for x in d["route_rule"])
+    d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
     return Plan(**d)

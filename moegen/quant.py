@@ -228,6 +228,8 @@ def fp8_tensor_activations(x: np.ndarray, input_scale: float) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- loaders
 
+# Loaders never copy a large weight they can keep as given: a container may share memory with
+# the arrays it was loaded from (de-interleaving and nibble re-ordering do copy).
 Tensors = Mapping[str, np.ndarray]
 
 

@@ -146,8 +146,14 @@ class Layer:
         host = {pw.name: self._pack_on_host(pw, pieces) for pw in on_host}
         for pw in on_host:
             sizes[pw.scale_name] = host[pw.name][1].nbytes
+        raw = {b.name: np.ascontiguousarray(np.concatenate(
+            [np.asarray(to_host(obj, key), np.float32).reshape(-1) for key, obj in pieces[W.RAW_SOURCES[b.name]]]))
+            for b in plan.raw}
+        sizes.update({name: a.nbytes for name, a in raw.items()})
         packed = Memory(self.device, sizes)
         drv = _driver()
+        for name, a in raw.items():
+            _ok(drv.cuMemcpyHtoD(packed.ptr(name), a.ctypes.data, a.nbytes), f"copying {name}")
         for pw in on_host:
             codes, scales = host[pw.name]
             _ok(drv.cuMemcpyHtoD(packed.ptr(pw.name), codes.ctypes.data, codes.nbytes), f"copying {pw.name}")

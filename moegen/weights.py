@@ -18,6 +18,8 @@ import numpy as np
 from .plan import PackedWeight, Plan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+# Small fp32 weights copied as they are, by their device buffer name.
+RAW_SOURCES = {"corr_bias": "gate.e_score_correction_bias", "router_bias": "gate.bias"}
 
 
 class WeightError(ValueError):
@@ -86,10 +88,15 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     if si:
         shapes.update({"shared_expert.gate_proj": (si, h), "shared_expert.up_proj": (si, h),
                        "shared_expert.down_proj": (h, si)})
+    for buf in plan.raw:
+        shapes[RAW_SOURCES[buf.name]] = buf.shape
     fmt = {src: pw.format for pw in plan.weights for src in pw.sources}
+    fmt.update({RAW_SOURCES[b.name]: "float32" for b in plan.raw})
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, shape in shapes.items():
-        if fmt.get(name, "bf16") == "fp8_block":
+        if fmt.get(name) == "float32":
+            out[name] = (shape, "float32")
+        elif fmt.get(name, "bf16") == "fp8_block":
             out[name] = (shape, "float8_e4m3fn")
             out[f"{name}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)), "float32")
         else:
@@ -122,8 +129,8 @@ def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, 
             got_shape, dtype, on_device = describe(obj, key)
             if tuple(got_shape) != piece_shape:
                 raise WeightError(f"{key}: shape {list(got_shape)}, expected {list(piece_shape)}")
-            floats = ("float32", "float64", "float16")
-            ok = dtype == want or (want == "bfloat16" and not on_device and dtype in floats)
+            floats = ("float32", "float64", "float16", "bfloat16")
+            ok = dtype == want or (want in ("bfloat16", "float32") and not on_device and dtype in floats)
             if not ok:
                 raise WeightError(f"{key}: dtype {dtype}, expected {want}")
         out[name] = pieces

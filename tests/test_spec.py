@@ -127,11 +127,11 @@ def test_impossible_values_are_refused_by_field(tmp_path: Path, edit: str, field
 @pytest.mark.parametrize(
     "section,values,message",
     [
-        ("routing", {"score": "sigmoid"}, "routing.score=sigmoid is not generated yet"),
+        ("routing", {"score": "sqrt_softplus"}, "routing.score=sqrt_softplus is not generated yet"),
         ("experts", {"format": "nvfp4"}, "experts.format=nvfp4 is not generated yet"),
         ("experts", {"format": "fp8_block", "fp8_activations": True}, "experts.fp8_activations=True is not generated yet"),
         ("experts", {"zero_experts": 8}, "experts.zero_experts=8 is not generated yet"),
-        ("router", {"bias": True}, "router.bias=True is not generated yet"),
+        ("routing", {"weight_on_input": True}, "routing.weight_on_input=True is not generated yet"),
         ("routing", {"hash_vocab_size": 100}, "routing.hash_vocab_size=100 is not generated yet"),
         ("pre_expert_norm", {"eps": 1e-6}, "pre_expert_norm=set is not generated yet"),
     ],

@@ -41,6 +41,10 @@ MOE_DEVICE u32 order_key(float f) {
   const u32 b = __float_as_uint(f);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
+// Inverse of order_key.
+MOE_DEVICE float key_value(u32 k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+#define MOE_SCORE_SOFTMAX 0
+#define MOE_SCORE_SIGMOID 1
 MOE_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
 MOE_DEVICE float warp_max(float v) {
 #pragma unroll
@@ -202,18 +206,32 @@ struct TileGemv {
   }
 };
 
+// ---- the routing rule of this layer ----
+struct RouteRule {
+  static constexpr int SCORE = MOE_SCORE_SOFTMAX;
+  static constexpr bool SELECT_LOGITS = false;
+  static constexpr bool CORR_BIAS = false;
+  static constexpr bool ROUTER_BIAS = false;
+  static constexpr int NGROUP = 1;
+  static constexpr int TOPK_GROUP = 1;
+  static constexpr bool RENORM = true;
+  static constexpr float SCALE = 1.0f;
+  static constexpr bool LOGITS_BF16 = false;
+};
+
 // ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
 // One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
 // numbered in ascending expert order (slots) and each (token, choice) pair gets a row in its
 // expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
 // counters give, which changes no result: each token's row is computed independently.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
-          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
-MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
+// R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R>
+MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
+                           const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
                            float* __restrict__ gate_s, int* __restrict__ num_slots,
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                           int* __restrict__ slot_token, float scale, int n) {
+                           int* __restrict__ slot_token, int n) {
   constexpr int EPL = (E + 31) / 32;
   __shared__ int cnt[E];
   __shared__ int cursor[E];
@@ -221,7 +239,8 @@ MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
   for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
   __syncthreads();
   for (int tk = warp; tk < n; tk += THREADS / 32) {
-    float v[EPL];
+    // v: logits, then scores (what the weights come from); sel: what top-k ranks.
+    float v[EPL], sel[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const int e = lane + 32 * i;
@@ -230,11 +249,12 @@ MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
         s = 0.0f;
 #pragma unroll
         for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
-        if (LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+        if (R::ROUTER_BIAS) s += router_bias[e];
+        if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
       }
       v[i] = s;
     }
-    if (!SELECT_LOGITS) {  // softmax over all experts, then top-k on the probabilities
+    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
       float mx = MOE_NEG_INF;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -247,35 +267,88 @@ MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
       }
       sum = warp_sum(sum);
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) v[i] = (lane + 32 * i < E) ? v[i] / sum : MOE_NEG_INF;
+      for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
+    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+    }
+    if (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
+      constexpr int G = E / R::NGROUP;
+      float gs[R::NGROUP];
+#pragma unroll
+      for (int gr = 0; gr < R::NGROUP; ++gr) {
+        float b1 = MOE_NEG_INF;
+        int i1 = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if ((lane + 32 * i) / G == gr && sel[i] > b1) { b1 = sel[i]; i1 = lane + 32 * i; }
+        const u32 k1 = __reduce_max_sync(0xffffffffu, order_key(b1));
+        i1 = (int)__reduce_min_sync(0xffffffffu, order_key(b1) == k1 ? (u32)i1 : 0x7fffffffu);
+        float b2 = MOE_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if ((lane + 32 * i) / G == gr && lane + 32 * i != i1 && sel[i] > b2) b2 = sel[i];
+        const u32 k2 = __reduce_max_sync(0xffffffffu, order_key(b2));
+        gs[gr] = key_value(k1) + key_value(k2);
+      }
+      bool keep[R::NGROUP];
+#pragma unroll
+      for (int gr = 0; gr < R::NGROUP; ++gr) keep[gr] = false;
+#pragma unroll
+      for (int r = 0; r < R::TOPK_GROUP; ++r) {  // equal group scores: the lower group wins
+        int best = -1;
+        float best_v = MOE_NEG_INF;
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if (!keep[gr] && (best < 0 || gs[gr] > best_v)) { best = gr; best_v = gs[gr]; }
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if (gr == best) keep[gr] = true;
+      }
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        bool k = false;
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if ((lane + 32 * i) / G == gr) k = keep[gr];
+        if (!k) sel[i] = MOE_NEG_INF;
+      }
     }
     // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
-    // expert index holding it (equal values: the lower expert index wins).
+    // expert index holding it (equal values: the lower expert index wins). my_v: the score (or
+    // logit) of this lane's choice, not its biased selection value.
     float my_v = 0.0f;
     int my_e = 0;
     for (int j = 0; j < K; ++j) {
-      float bv = MOE_NEG_INF;
+      float bv = MOE_NEG_INF, bs = 0.0f;
       int be = 0x7fffffff;
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if (v[i] > bv) { bv = v[i]; be = lane + 32 * i; }
+        if (sel[i] > bv) { bv = sel[i]; bs = v[i]; be = lane + 32 * i; }
       const u32 key = order_key(bv);
       const u32 kmax = __reduce_max_sync(0xffffffffu, key);
       be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
-      bv = __shfl_sync(0xffffffffu, bv, be & 31);
-      if (lane == j) { my_v = bv; my_e = be; }
+      bs = __shfl_sync(0xffffffffu, bs, be & 31);
+      if (lane == j) { my_v = bs; my_e = be; }
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if (lane + 32 * i == be) v[i] = MOE_NEG_INF;
+        if (lane + 32 * i == be) sel[i] = MOE_NEG_INF;
     }
     float w = my_v;
-    if (SELECT_LOGITS) {  // softmax over the k chosen logits; lane 0 holds the largest
+    if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
       const float top = __shfl_sync(0xffffffffu, my_v, 0);
       w = lane < K ? expf(my_v - top) : 0.0f;
       w = w / warp_sum(w);
+    } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+      w = 1.0f / (1.0f + expf(-my_v));
     }
-    if (RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
-    w *= scale;
+    if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    w *= R::SCALE;
     if (lane < K) {
       topk_ids[tk * K + lane] = my_e;
       topk_w[tk * K + lane] = w;
@@ -341,17 +414,18 @@ MOE_DEVICE void route_body(const float* logits, int* __restrict__ topk_ids,
 
 
 // The route as its own one-block kernel (token buckets too large for the fused form).
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SELECT_LOGITS, bool RENORM,
-          bool LOGITS_BF16, bool SHARED_GATE, int THREADS>
-MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* __restrict__ topk_ids,
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS>
+MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float* __restrict__ corr_bias,
+                                  const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
                                   int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                  int* __restrict__ slot_token, float scale, int n) {
+                                  int* __restrict__ slot_token, int n) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SELECT_LOGITS, RENORM, LOGITS_BF16, SHARED_GATE, THREADS>(
-      logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, scale, n);
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
+      logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
+      slot_token, n);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -362,13 +436,14 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* __restr
 // sums in a fixed order (no floating-point atomics). With ROUTE, the last block to finish (an
 // integer counter) routes the tokens itself: one launch fewer on the small-batch path.
 template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX, bool ROUTE, int E, int K,
-          bool SELECT_LOGITS, bool RENORM, bool LOGITS_BF16, bool SHARED_GATE>
+          bool SHARED_GATE>
 MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
-                                   float* logits, int* route_done, int* __restrict__ topk_ids,
+                                   float* logits, int* route_done, const float* __restrict__ corr_bias,
+                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                                    float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                    float* __restrict__ gate_s, int* __restrict__ num_slots,
                                    int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                   int* __restrict__ slot_token, float scale, int n) {
+                                   int* __restrict__ slot_token, int n) {
   constexpr int KC_PART = KC / KSPLIT;
   using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
   __shared__ uint4 red[G::SMEM_BYTES / 16];
@@ -396,8 +471,9 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SELECT_LOGITS, RENORM, LOGITS_BF16, SHARED_GATE, WARPS * 32>(
-        logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, scale, n);
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
+        logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
+        slot_token, n);
   }
 }
 
@@ -580,8 +656,8 @@ static_assert(8 <= 32, "route: one choice per lane");
 
 // ---- kernels of this layer ----
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; tokens grouped by expert
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_renorm_fp32_ks16_n256_sm_90a(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<128, 128, 8, 16, 256, false, true, false, false, 1024>(logits, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_ks16_n256_sm_90a(const float* __restrict__ logits, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<128, 128, 8, 16, 256, false, 1024>(logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
@@ -596,8 +672,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n256_route_e128_k8_softmax_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 1, 4, 8, 16, 128, 256, true, 128, 8, false, true, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n256_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 1, 4, 8, 16, 128, 256, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // gate/up + SiLU: expert slots x 48 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_block_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
@@ -608,12 +684,12 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
   down_body<24, 0, 1, 1, 4, 8, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 2, 4, 6, 16, 128, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 2, 4, 6, 16, 128, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // router: 128 rows x 2048, K split 16 ways, 32 tokens per pass
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 4, 4, 4, 16, 128, 256, false, 1, 1, false, false, false, false>(wr, x, logits, route_done, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, 1.0f, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 4, 4, 4, 16, 128, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // gate/up + SiLU: expert slots x 48 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_block_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
