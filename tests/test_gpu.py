@@ -48,7 +48,10 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
         if name.endswith("_scale_inv"):
             continue
         w = torch.randn(shape, device="cuda", dtype=torch.float32) / math.sqrt(shape[-1])
-        if dtype == "bfloat16":
+        if dtype == "float32":  # biases of the router: kept as they are
+            layer_w[name] = (w * 0.1).cpu().numpy()
+            ref_w[name] = layer_w[name]
+        elif dtype == "bfloat16":
             layer_w[name] = w.to(torch.bfloat16)
             ref_w[name] = _host(layer_w[name])
         else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition

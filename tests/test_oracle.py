@@ -250,14 +250,16 @@ def test_generated_layer_matches_transformers(family: str, tmp_path: Path):
         pytest.skip(f"{family}: the generator does not produce it yet: {'; '.join(missing)}")
     out_dir = tmp_path / "gen" / spec.name
     write_dir(out_dir, render_all(spec, make_plan(spec)))
-    gpu = load(out_dir, load_layer(b.dir, spec, layer))
+    weights = load_layer(b.dir, spec, layer)
+    gpu = load(out_dir, weights)
     for n in (1, 7, 64):
         x, tok = _inputs(spec, n, seed=n)
         want = block_forward(b, layer, x, tok)
+        keep = reference.route(spec, x, weights, tok).margin >= 1e-4  # fp32 kernels may flip closer ties
         xd = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
         out = torch.full_like(xd, float("nan"))
         gpu(xd, out=out, stream=torch.cuda.current_stream())
         torch.cuda.synchronize()
         got = out.float().cpu().numpy().astype(np.float64)
-        err = row_errors(got, want)
+        err = row_errors(got[keep], want[keep])
         assert np.isfinite(got).all() and err.max() <= GPU_ROW_TOL, f"{family} N={n}: row error {err.max():.2e}"
