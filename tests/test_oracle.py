@@ -140,8 +140,9 @@ def build(family: str, tmp: Path, seed: int = 0, overrides: dict[str, Any] | Non
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     cfg = cfg_cls(**{**_COMMON, **fam.kwargs, **(overrides or {})})
+    cfg._experts_implementation = "eager"  # the loop over experts: any dtype, float64 too
     model = model_cls(cfg).eval()
-    if hasattr(model, "set_experts_implementation"):  # the loop over experts: any dtype, float64 too
+    if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     for L in fam.layers:
         _randomize(getattr(model.model.layers[L], fam.module), gen)
