@@ -24,6 +24,8 @@ from .spec import Select, Spec
 WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
 A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
 FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
+SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID", "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS"}
+ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU", "swiglu_clamped": "MOE_ACT_SWIGLU_CLAMPED"}
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
@@ -110,6 +112,7 @@ class Plan:
     arch: str
     hidden: int
     experts: int
+    scored: int  # experts the router scores: routed + zero (identity) experts
     top_k: int
     inter: int
     shared_inter: int
@@ -126,6 +129,7 @@ class Plan:
     weights: tuple[PackedWeight, ...]
     asserts: tuple[Assert, ...]
     route_rule: tuple[tuple[str, str, str], ...]  # (C type, name, value) of the layer's RouteRule constants
+    act_rule: tuple[tuple[str, str, str], ...]  # the same for its ActRule
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
 
@@ -213,7 +217,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     si = sh.intermediate_size if sh else 0
     gated = bool(sh and sh.gate == "sigmoid")
     nmax = spec.max_tokens
-    rows_pad = math.ceil((e + int(gated)) / 16) * 16
+    z = spec.experts.zero_experts
+    rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
     kc_h, kc_i, kc_s = h // 32, i // 32, si // 32
     ksplit = _ksplit(rows_pad // 16, kc_h, target)
     slots_max = min(e, nmax * k)
@@ -222,11 +227,24 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     fmt_s = sh.format.value if sh else "bf16"
 
     kernels: dict[str, Kernel] = {}
+    act = spec.experts.activation
+    shared_limit = bool(sh and sh.clamp)
+    act_tag = act.kind.value + (f"_a{act.alpha:g}" if act.alpha else "") + (f"_l{act.limit:g}" if act.limit else "")
+    act_tag = act_tag.replace(".", "p") + ("_sclamp" if shared_limit else "") + ("_bias" if spec.experts.bias else "")
+    act_rule = (
+        ("int", "KIND", ACT_MACRO[act.kind.value]),
+        ("float", "LIMIT", f"{float(act.limit or 0.0)!r}f"),
+        ("float", "ALPHA", f"{float(act.alpha or 1.0)!r}f"),
+        ("bool", "SHARED_LIMIT", _b(shared_limit)),
+        ("bool", "EXPERT_BIAS", _b(spec.experts.bias)),
+    )
 
     r = spec.routing
     select_logits = r.select is Select.logits
     scale = r.routed_scaling_factor
-    route_tag = (f"e{e}_k{k}_{r.score.value}_{'logits' if select_logits else 'scores'}"
+    woi, bias = r.weight_on_input, spec.experts.bias
+    route_tag = (f"e{e}{f'z{z}' if z else ''}_k{k}_{r.score.value}_{'logits' if select_logits else 'scores'}"
+                 f"{'_winput' if woi else ''}"
                  f"{'_cbias' if r.correction_bias else ''}{'_rbias' if spec.router.bias else ''}"
                  f"{f'_g{r.n_group}of{r.topk_group}' if r.n_group > 1 else ''}"
                  f"{'_renorm' if r.renormalize else ''}{'_x' + f'{scale:g}'.replace('.', 'p') if scale != 1.0 else ''}"
@@ -239,6 +257,20 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                   "slot_expert", "slot_begin", "slot_token", "n")
     route_keys = ("w.corr_bias", "w.router_bias", "ws.topk_ids", "ws.topk_w", "ws.pair_pos", "ws.gate_s",
                   "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token", "n")
+    # Parameters that only some layers have go last (the bodies default them to nullptr), so a
+    # layer without the feature compiles to the code it had before the feature existed.
+    if woi:
+        route_params += ("float* __restrict__ slot_w",)
+        route_args += ("slot_w",)
+        route_keys += ("ws.slot_w",)
+    gu_extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if woi or bias else ()
+    if bias:
+        gu_extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
+                     ("const float* __restrict__ b_up", "b_up", "w.b_up"))
+    down_extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if bias or z else ()
+    if z:
+        down_extra += (("const bf16_t* __restrict__ x", "x", "x"), ("const int* __restrict__ topk_ids", "topk_ids",
+                                                                     "ws.topk_ids"))
 
     def router(nt: int, fused: bool) -> str:
         name = (f"moe_router_r{rows_pad}_h{h}_ks{ksplit}_nt{nt}_n{nmax}" + (f"_route_{route_tag}" if fused else "")
@@ -268,7 +300,10 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         body="route_kernel_body", comment=f"route: {_routing_desc(spec)}; tokens grouped by expert",
     )
     route_rule = (
-        ("int", "SCORE", "MOE_SCORE_SOFTMAX" if r.score.value == "softmax" else "MOE_SCORE_SIGMOID"),
+        ("int", "SCORE", SCORE_MACRO[r.score.value]),
+        ("int", "E_REAL", str(e)),
+        ("int", "ZERO", str(z)),
+        ("bool", "WEIGHT_ON_INPUT", _b(woi)),
         ("bool", "SELECT_LOGITS", _b(select_logits)),
         ("bool", "CORR_BIAS", _b(r.correction_bias)),
         ("bool", "ROUTER_BIAS", _b(spec.router.bias)),
@@ -281,7 +316,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
 
     def gate_up(nt: int, nts: int) -> str:
         name = (f"moe_gate_up_e{e}_h{h}_i{i}_nt{nt}_{fmt_e}" + (f"_si{si}_nts{nts}_{fmt_s}" if si else "")
-                + f"_silu_{spec.arch}")
+                + f"_{act_tag}{'_winput' if woi else ''}_{spec.arch}")
         kernels.setdefault(name, Kernel(
             name, "gate_up", WARPS * 32,
             targs=(*map(str, (kc_h, nt, nts, WARPS, _depth(2, max(nt, nts), fmt_e), i // 16, si // 16, i, max(si, 1))),
@@ -290,19 +325,20 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                     "const float* __restrict__ ss13", "const bf16_t* __restrict__ x",
                     "const int* __restrict__ num_slots", "const int* __restrict__ slot_expert",
                     "const int* __restrict__ slot_begin", "const int* __restrict__ slot_token",
-                    "bf16_t* __restrict__ act", "bf16_t* __restrict__ act_s", "int n"),
+                    "bf16_t* __restrict__ act", "bf16_t* __restrict__ act_s", "int n", *(x[0] for x in gu_extra)),
             args=("w13", "ws13", "s13", "ss13", "x", "num_slots", "slot_expert", "slot_begin", "slot_token", "act",
-                  "act_s", "n"),
-            arg_keys=("w.w13", "w.ws13", "w.s13", "w.ss13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token",
-                      "ws.act", "ws.act_s", "n"),
+                  "act_s", "n", *(x[1] for x in gu_extra)),
+            arg_keys=("w.w13", "w.ws13", "w.s13", "w.ss13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
+                      "ws.slot_token", "ws.act", "ws.act_s", "n", *(x[2] for x in gu_extra)),
             body="gate_up_body",
-            comment=f"gate/up + SiLU: expert slots x {i // 16} tiles" + (f" + shared {si // 16} tiles" if si else ""),
+            comment=f"gate/up + {act_tag}: expert slots x {i // 16} tiles" + (f" + shared {si // 16} tiles" if si else ""),
         ))
         return name
 
     def down(nt: int, nts: int) -> str:
         name = (f"moe_down_e{e}_h{h}_i{i}_k{k}_nt{nt}_{fmt_e}" + (f"_si{si}_nts{nts}_{fmt_s}" if si else "")
-                + ("_sgate" if gated else "") + f"_{spec.arch}")
+                + ("_sgate" if gated else "") + ("_bias" if bias else "") + (f"_z{z}" if z else "")
+                + ("_winput" if woi else "") + f"_{spec.arch}")
         depth = _depth(DOWN_TILES, max(nt, nts), fmt_e)
         kernels.setdefault(name, Kernel(
             name, "down", WARPS * 32,
@@ -314,11 +350,12 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                     "const int* __restrict__ slot_expert", "const int* __restrict__ slot_begin",
                     "float* y", "float* ys", "const float* __restrict__ topk_w",
                     "const int* __restrict__ pair_pos", "const float* __restrict__ gate_s", "int* tile_done",
-                    "bf16_t* __restrict__ out", "int n"),
+                    "bf16_t* __restrict__ out", "int n", *(x[0] for x in down_extra)),
             args=("w2", "ws2", "s2", "ss2", "act", "act_s", "num_slots", "slot_expert", "slot_begin", "y", "ys",
-                  "topk_w", "pair_pos", "gate_s", "tile_done", "out", "n"),
-            arg_keys=("w.w2", "w.ws2", "w.s2", "w.ss2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
-                      "ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.tile_done", "out", "n"),
+                  "topk_w", "pair_pos", "gate_s", "tile_done", "out", "n", *(x[1] for x in down_extra)),
+            arg_keys=("w.w2", "w.ws2", "w.s2", "w.ss2", "ws.act", "ws.act_s", "ws.num_slots", "ws.slot_expert",
+                      "ws.slot_begin", "ws.y", "ws.ys", "ws.topk_w", "ws.pair_pos", "ws.gate_s", "ws.tile_done", "out",
+                      "n", *(x[2] for x in down_extra)),
             body="down_body",
             comment=f"down: expert slots x {h // 16} tiles of {i}" + (f" + shared ({si})" if si else "")
             + "; the last block of each tile writes the weighted sum",
@@ -370,17 +407,21 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),
-        Buffer("route_done", "int32", (1,)),  # zero between calls: the last block resets it
+        Buffer("route_done", "int32", (1,)),
+        Buffer("slot_w", "float32", (nmax * k if woi else 1,)),  # routing weight per expert row (Llama-4)  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
     raw = []
     if r.correction_bias:
-        raw.append(Buffer("corr_bias", "float32", (e,)))
+        raw.append(Buffer("corr_bias", "float32", (e + z,)))
     if spec.router.bias:
-        raw.append(Buffer("router_bias", "float32", (e,)))
+        raw.append(Buffer("router_bias", "float32", (e + z,)))
+    if spec.experts.bias:
+        raw += [Buffer("b_gate", "float32", (e, i)), Buffer("b_up", "float32", (e, i)),
+                Buffer("b_down", "float32", (e, h))]
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if gated else ())
     weights = [
-        PackedWeight("router", router_sources, 1, False, 0, e + int(gated), rows_pad, h),
+        PackedWeight("router", router_sources, 1, False, 0, e + z + int(gated), rows_pad, h),
         PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, fmt_e, "s13"),
         PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i, fmt_e, "s2"),
     ]
@@ -394,16 +435,16 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Assert(f"{h} % 32 == 0", "hidden size: whole 32-wide K chunks and down row groups"),
         Assert(f"{i} % 32 == 0", "expert width: whole 16-row tiles and 32-wide K chunks"),
         Assert(f"{si} % 32 == 0", "shared expert width: whole tiles and chunks"),
-        Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + int(gated)}", "router rows padded to whole tiles"),
+        Assert(f"{rows_pad} % 16 == 0 && {rows_pad} >= {e + z + int(gated)}", "router rows padded to whole tiles"),
         Assert(f"({h} / 32) % {ksplit} == 0 && ({h} / 32) / {ksplit} >= {WARPS}", "router K split into whole chunks"),
         Assert(f"{k} <= 32", "route: one choice per lane"),
     )
     return Plan(
-        arch=spec.arch, hidden=h, experts=e, top_k=k, inter=i, shared_inter=si, shared_gate=gated,
+        arch=spec.arch, hidden=h, experts=e, scored=e + z, top_k=k, inter=i, shared_inter=si, shared_gate=gated,
         rows_pad=rows_pad, ksplit=ksplit, max_tokens=nmax, slots_max=slots_max,
         routing_desc=_routing_desc(spec), expert_bytes=3 * h * i * 2,
         kernels=tuple(kernels.values()), buckets=tuple(buckets), workspace=workspace,
-        weights=tuple(weights), asserts=asserts, route_rule=route_rule, raw=tuple(raw),
+        weights=tuple(weights), asserts=asserts, route_rule=route_rule, act_rule=act_rule, raw=tuple(raw),
     )
 
 
@@ -423,6 +464,7 @@ def plan_from_dict(d: dict) -> Plan:
                          for w in d["weights"])
     d["asserts"] = tuple(Assert(**a) for a in d["asserts"])
     d["route_rule"] = tuple(tuple(x) for x in d["route_rule"])
+    d["act_rule"] = tuple(tuple(x) for x in d["act_rule"])
     d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
     return Plan(**d)

@@ -19,7 +19,8 @@ from .plan import PackedWeight, Plan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Small fp32 weights copied as they are, by their device buffer name.
-RAW_SOURCES = {"corr_bias": "gate.e_score_correction_bias", "router_bias": "gate.bias"}
+RAW_SOURCES = {"corr_bias": "gate.e_score_correction_bias", "router_bias": "gate.bias",
+               "b_gate": "experts.gate_proj_bias", "b_up": "experts.up_proj_bias", "b_down": "experts.down_proj_bias"}
 
 
 class WeightError(ValueError):
@@ -81,7 +82,7 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """Hugging Face name -> (shape, dtype) of every input tensor. FP8 block weights come as
     e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form)."""
     h, e, i, si = plan.hidden, plan.experts, plan.inter, plan.shared_inter
-    shapes = {"gate.weight": (e, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
+    shapes = {"gate.weight": (plan.scored, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
     if plan.shared_gate:
         shapes["shared_expert_gate.weight"] = (1, h)

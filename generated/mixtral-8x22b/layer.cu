@@ -45,6 +45,11 @@ MOE_DEVICE u32 order_key(float f) {
 MOE_DEVICE float key_value(u32 k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
 #define MOE_SCORE_SOFTMAX 0
 #define MOE_SCORE_SIGMOID 1
+#define MOE_SCORE_SQRT_SOFTPLUS 2
+#define MOE_ACT_SILU 0
+#define MOE_ACT_GELU 1
+#define MOE_ACT_SWIGLU_CLAMPED 2
+MOE_DEVICE float softplus(float v) { return fmaxf(v, 0.0f) + log1pf(expf(-fabsf(v))); }
 MOE_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
 MOE_DEVICE float warp_max(float v) {
 #pragma unroll
@@ -209,6 +214,9 @@ struct TileGemv {
 // ---- the routing rule of this layer ----
 struct RouteRule {
   static constexpr int SCORE = MOE_SCORE_SOFTMAX;
+  static constexpr int E_REAL = 8;
+  static constexpr int ZERO = 0;
+  static constexpr bool WEIGHT_ON_INPUT = false;
   static constexpr bool SELECT_LOGITS = false;
   static constexpr bool CORR_BIAS = false;
   static constexpr bool ROUTER_BIAS = false;
@@ -218,6 +226,26 @@ struct RouteRule {
   static constexpr float SCALE = 1.0f;
   static constexpr bool LOGITS_BF16 = false;
 };
+
+// ---- the expert activation of this layer ----
+struct ActRule {
+  static constexpr int KIND = MOE_ACT_SILU;
+  static constexpr float LIMIT = 0.0f;
+  static constexpr float ALPHA = 1.0f;
+  static constexpr bool SHARED_LIMIT = false;
+  static constexpr bool EXPERT_BIAS = false;
+};
+// The gated activation; CLAMP applies the layer's limit (gate from above, up both ways).
+template <bool CLAMP>
+MOE_DEVICE float activate(float g, float u) {
+  if (CLAMP && ActRule::LIMIT > 0.0f) {
+    g = fminf(g, ActRule::LIMIT);
+    u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
+  }
+  if (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
+  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
+  return silu(g) * u;
+}
 
 // ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
 // One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
@@ -231,8 +259,10 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
                            float* __restrict__ gate_s, int* __restrict__ num_slots,
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                           int* __restrict__ slot_token, int n) {
-  constexpr int EPL = (E + 31) / 32;
+                           int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
+  // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
+  constexpr int ES = E + R::ZERO;
+  constexpr int EPL = (ES + 31) / 32;
   __shared__ int cnt[E];
   __shared__ int cursor[E];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -245,7 +275,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     for (int i = 0; i < EPL; ++i) {
       const int e = lane + 32 * i;
       float s = MOE_NEG_INF;
-      if (e < E) {
+      if (e < ES) {
         s = 0.0f;
 #pragma unroll
         for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
@@ -262,7 +292,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) {
-        v[i] = (lane + 32 * i < E) ? expf(v[i] - mx) : 0.0f;
+        v[i] = (lane + 32 * i < ES) ? expf(v[i] - mx) : 0.0f;
         sum += v[i];
       }
       sum = warp_sum(sum);
@@ -271,14 +301,17 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
+    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
     }
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const int e = lane + 32 * i;
-      sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+      sel[i] = e < ES ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
     }
     if (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
-      constexpr int G = E / R::NGROUP;
+      constexpr int G = ES / R::NGROUP;
       float gs[R::NGROUP];
 #pragma unroll
       for (int gr = 0; gr < R::NGROUP; ++gr) {
@@ -352,12 +385,12 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     if (lane < K) {
       topk_ids[tk * K + lane] = my_e;
       topk_w[tk * K + lane] = w;
-      atomicAdd(&cnt[my_e], 1);
+      if (R::ZERO == 0 || my_e < E) atomicAdd(&cnt[my_e], 1);
     }
     if (SHARED_GATE && lane == 0) {
       float s = 0.0f;
 #pragma unroll
-      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + E);
+      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + ES);
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
@@ -406,9 +439,15 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   }
   __syncthreads();
   for (int p = threadIdx.x; p < n * K; p += THREADS) {
-    const int pos = atomicAdd(&cursor[topk_ids[p]], 1);
+    const int e = topk_ids[p];
+    if (R::ZERO > 0 && e >= E) {  // an identity expert: added as w * x by the combine
+      pair_pos[p] = -1;
+      continue;
+    }
+    const int pos = atomicAdd(&cursor[e], 1);
     pair_pos[p] = pos;
     slot_token[pos] = p / K;
+    if (R::WEIGHT_ON_INPUT) slot_w[pos] = topk_w[p];
   }
 }
 
@@ -420,12 +459,12 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float*
                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
                                   int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                  int* __restrict__ slot_token, int n) {
+                                  int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
   route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n);
+      slot_token, n, slot_w);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -443,7 +482,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
                                    float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                    float* __restrict__ gate_s, int* __restrict__ num_slots,
                                    int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                   int* __restrict__ slot_token, int n) {
+                                   int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
   constexpr int KC_PART = KC / KSPLIT;
   using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
   __shared__ uint4 red[G::SMEM_BYTES / 16];
@@ -473,7 +512,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     __threadfence();
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-        slot_token, n);
+        slot_token, n, slot_w);
   }
 }
 
@@ -487,7 +526,8 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                              const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
                              const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
                              const int* __restrict__ slot_token, bf16_t* __restrict__ act,
-                             bf16_t* __restrict__ act_s, int n) {
+                             bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w = nullptr,
+                             const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr) {
   using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
   using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH, FMTS>;
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
@@ -508,8 +548,17 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
-          const float gv = GR::result(red, j, 0, r, col), uv = GR::result(red, j, 1, r, col);
-          act[(size_t)(begin + tk) * I + tile * 16 + r] = f32_to_bf16(silu(gv) * uv);
+          float gv = GR::result(red, j, 0, r, col), uv = GR::result(red, j, 1, r, col);
+          if (ActRule::EXPERT_BIAS) {
+            gv += b_gate[(size_t)e * I + tile * 16 + r];
+            uv += b_up[(size_t)e * I + tile * 16 + r];
+          }
+          if (RouteRule::WEIGHT_ON_INPUT) {  // the routing weight scales the expert's input: w * (x . g)
+            const float w = slot_w[begin + tk];
+            gv *= w;
+            uv *= w;
+          }
+          act[(size_t)(begin + tk) * I + tile * 16 + r] = f32_to_bf16(activate<true>(gv, uv));
         }
       }
       __syncthreads();
@@ -526,7 +575,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
           const float gv = GS::result(red, j, 0, r, col), uv = GS::result(red, j, 1, r, col);
-          act_s[(size_t)tk * IS + tile * 16 + r] = f32_to_bf16(silu(gv) * uv);
+          act_s[(size_t)tk * IS + tile * 16 + r] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
         }
       }
       __syncthreads();
@@ -549,7 +598,9 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                           const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
                           const int* __restrict__ slot_begin, float* y, float* ys,
                           const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
-                          const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+                          const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n,
+                          const float* __restrict__ b_down = nullptr, const bf16_t* __restrict__ x = nullptr,
+                          const int* __restrict__ topk_ids = nullptr) {
   constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
   using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH, FMT>;
   using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH, FMTS>;
@@ -574,7 +625,11 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
       GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0);
       for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-        if (tk < m) y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = GR::result(red, j, mt, r, col);
+        if (tk < m) {
+          float v = GR::result(red, j, mt, r, col);
+          if (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
+          y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = v;
+        }
       }
       __syncthreads();
     }
@@ -606,8 +661,14 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     const int tk = i / ROWS, h = group * ROWS + i % ROWS;
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < K; ++j)
-      acc = fmaf(topk_w[tk * K + j], __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+    for (int j = 0; j < K; ++j) {
+      // Llama-4 weighted the input instead; a zero (identity) expert contributes w * x.
+      const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
+      if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL)
+        acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);
+      else
+        acc = fmaf(w, __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+    }
     if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
     out[(size_t)tk * H + h] = f32_to_bf16(acc);
   }
@@ -675,8 +736,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt1_n256_route_e8_k2_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<192, 1, 4, 8, 48, 16, 256, true, 8, 2, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
-// gate/up + SiLU: expert slots x 1024 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt1_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+// gate/up + silu_gated: expert slots x 1024 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 1, 1, 4, 4, 1024, 0, 16384, 1, MOE_W_BF16, MOE_W_BF16, 8>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
@@ -691,16 +752,16 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt2_
 extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks48_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<192, 4, 4, 4, 48, 16, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
-// gate/up + SiLU: expert slots x 1024 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt2_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+// gate/up + silu_gated: expert slots x 1024 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 2, 4, 4, 3, 1024, 0, 16384, 1, MOE_W_BF16, MOE_W_BF16, 8>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<512, 0, 2, 4, 4, 3, 2, 192, 6144, 2, false, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
-// gate/up + SiLU: expert slots x 1024 tiles
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt4_bf16_silu_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+// gate/up + silu_gated: expert slots x 1024 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 4, 4, 4, 3, 1024, 0, 16384, 1, MOE_W_BF16, MOE_W_BF16, 8>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum

@@ -1,0 +1,64 @@
+"""Routing rules and activations the kernels have but the spec still refuses (not yet run on a GPU):
+each compiles for sm_90a without spills or a stack frame, and asks for the weights it reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from moegen.build import render_all
+from moegen.nvrtc import compile_cuda
+from moegen.plan import make_plan
+from moegen.spec import parse_spec
+from moegen.weights import tensors
+
+BASE = {"name": "f", "model": "f", "hidden_size": 1024}
+CASES = {
+    # LongCat: softmax over routed + zero experts, correction bias, no renormalization, x6
+    "zero_experts": {"experts": {"count": 64, "zero_experts": 32, "top_k": 12, "intermediate_size": 512},
+                     "routing": {"correction_bias": True, "routed_scaling_factor": 6.0}},
+    # Llama-4: top-1 on raw logits, sigmoid of it scales the expert input, shared expert always added
+    "weight_on_input": {"experts": {"count": 16, "top_k": 1, "intermediate_size": 1024},
+                        "shared_expert": {"intermediate_size": 1024},
+                        "routing": {"score": "sigmoid", "select": "logits", "weight_on_input": True}},
+    # GPT-OSS: router bias, top-k on logits then softmax, clamped SwiGLU, expert biases
+    "gpt_oss": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 1024, "bias": True,
+                            "activation": {"kind": "swiglu_clamped", "alpha": 1.702, "limit": 7.0}},
+                "router": {"bias": True}, "routing": {"select": "logits"}},
+    # DeepSeek-V4 scored layers: sqrt-softplus + correction bias, SiLU clamped at 10, clamped shared expert
+    "sqrt_softplus": {"experts": {"count": 64, "top_k": 6, "intermediate_size": 512,
+                                  "activation": {"limit": 10.0}},
+                      "shared_expert": {"intermediate_size": 512, "clamp": True},
+                      "routing": {"score": "sqrt_softplus", "correction_bias": True, "renormalize": True,
+                                  "routed_scaling_factor": 1.5}},
+    "gelu": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512, "activation": {"kind": "gelu_gated"}}},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEGEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_feature_compiles_clean(case):
+    spec = parse_spec({**BASE, **CASES[case]}, check_generated=False)
+    plan = make_plan(spec)
+    src = render_all(spec, plan)["layer.cu"]
+    res = compile_cuda(src, plan.arch, use_cache=False).resources
+    assert set(res) == {k.name for k in plan.kernels}
+    bad = {n: r for n, r in res.items() if r.spill_stores or r.spill_loads or r.stack_bytes}
+    assert not bad, f"{case}: spills or stack: {bad}"
+
+
+def test_feature_weights_are_asked_for():
+    gpt = make_plan(parse_spec({**BASE, **CASES["gpt_oss"]}, check_generated=False))
+    names = tensors(gpt)
+    assert names["gate.bias"] == ((32,), "float32")
+    assert names["experts.gate_proj_bias"] == ((32, 1024), "float32")
+    assert names["experts.down_proj_bias"] == ((32, 1024), "float32")
+    lc = make_plan(parse_spec({**BASE, **CASES["zero_experts"]}, check_generated=False))
+    assert tensors(lc)["gate.weight"][0] == (96, 1024)  # the router scores routed + zero experts
+    assert tensors(lc)["gate.e_score_correction_bias"][0] == (96,)
