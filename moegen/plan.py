@@ -24,7 +24,8 @@ from .spec import Select, Spec
 WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
 A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
 FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
-SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID", "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS"}
+SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID", "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS",
+               "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
 ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU", "swiglu_clamped": "MOE_ACT_SWIGLU_CLAMPED"}
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
@@ -244,7 +245,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     scale = r.routed_scaling_factor
     woi, bias = r.weight_on_input, spec.experts.bias
     route_tag = (f"e{e}{f'z{z}' if z else ''}_k{k}_{r.score.value}_{'logits' if select_logits else 'scores'}"
-                 f"{'_winput' if woi else ''}"
+                 f"{'_winput' if woi else ''}{'_hash' if r.hash_vocab_size else ''}"
                  f"{'_cbias' if r.correction_bias else ''}{'_rbias' if spec.router.bias else ''}"
                  f"{f'_g{r.n_group}of{r.topk_group}' if r.n_group > 1 else ''}"
                  f"{'_renorm' if r.renormalize else ''}{'_x' + f'{scale:g}'.replace('.', 'p') if scale != 1.0 else ''}"
@@ -259,10 +260,15 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                   "ws.num_slots", "ws.slot_expert", "ws.slot_begin", "ws.slot_token", "n")
     # Parameters that only some layers have go last (the bodies default them to nullptr), so a
     # layer without the feature compiles to the code it had before the feature existed.
-    if woi:
+    hashed = r.hash_vocab_size is not None
+    if woi or hashed:
         route_params += ("float* __restrict__ slot_w",)
         route_args += ("slot_w",)
         route_keys += ("ws.slot_w",)
+    if hashed:  # the call's token ids and the static table [vocab, k] pick the experts
+        route_params += ("const int* __restrict__ token_ids", "const int* __restrict__ tid2eid")
+        route_args += ("token_ids", "tid2eid")
+        route_keys += ("token_ids", "w.tid2eid")
     gu_extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if woi or bias else ()
     if bias:
         gu_extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
@@ -304,6 +310,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         ("int", "E_REAL", str(e)),
         ("int", "ZERO", str(z)),
         ("bool", "WEIGHT_ON_INPUT", _b(woi)),
+        ("bool", "HASH", _b(hashed)),
+        ("float", "SPARSEMIXER_EPS", f"{r.sparsemixer_eps!r}f"),
         ("bool", "SELECT_LOGITS", _b(select_logits)),
         ("bool", "CORR_BIAS", _b(r.correction_bias)),
         ("bool", "ROUTER_BIAS", _b(spec.router.bias)),
@@ -408,7 +416,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),
         Buffer("route_done", "int32", (1,)),
-        Buffer("slot_w", "float32", (nmax * k if woi else 1,)),  # routing weight per expert row (Llama-4)  # zero between calls: the last block resets it
+        Buffer("slot_w", "float32", (nmax * k if woi or hashed else 1,)),  # routing weight per expert row (Llama-4)  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
     raw = []
@@ -416,6 +424,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         raw.append(Buffer("corr_bias", "float32", (e + z,)))
     if spec.router.bias:
         raw.append(Buffer("router_bias", "float32", (e + z,)))
+    if r.hash_vocab_size is not None:
+        raw.append(Buffer("tid2eid", "int32", (r.hash_vocab_size, k)))
     if spec.experts.bias:
         raw += [Buffer("b_gate", "float32", (e, i)), Buffer("b_up", "float32", (e, i)),
                 Buffer("b_down", "float32", (e, h))]

@@ -127,6 +127,7 @@ class Layer:
                 self._bucket_of[n] = bi
             lo = b.max_tokens + 1
         self._outs = {}
+        self._hashed = any("token_ids" in k.arg_keys for k in plan.kernels)
 
     # ---- weights ----
     def load_weights(self, weights: Mapping[str, Any]) -> None:
@@ -147,7 +148,7 @@ class Layer:
         for pw in on_host:
             sizes[pw.scale_name] = host[pw.name][1].nbytes
         raw = {b.name: np.ascontiguousarray(np.concatenate(
-            [np.asarray(to_host(obj, key), np.float32).reshape(-1) for key, obj in pieces[W.RAW_SOURCES[b.name]]]))
+            [np.asarray(to_host(obj, key), b.dtype).reshape(-1) for key, obj in pieces[W.RAW_SOURCES[b.name]]]))
             for b in plan.raw}
         sizes.update({name: a.nbytes for name, a in raw.items()})
         packed = Memory(self.device, sizes)
@@ -223,11 +224,12 @@ class Layer:
                np.int32(pw.rows_padded), np.int32(pw.cols))
 
     # ---- forward ----
-    def __call__(self, x: Any, out: Any = None, stream: Any = None) -> Any:
-        return self.forward(x, out, stream)
+    def __call__(self, x: Any, out: Any = None, stream: Any = None, token_ids: Any = None) -> Any:
+        return self.forward(x, out, stream, token_ids)
 
-    def forward(self, x: Any, out: Any = None, stream: Any = None) -> Any:
-        """out[N, H] = MoE(x[N, H]) for bf16 x on this device, enqueued on `stream`."""
+    def forward(self, x: Any, out: Any = None, stream: Any = None, token_ids: Any = None) -> Any:
+        """out[N, H] = MoE(x[N, H]) for bf16 x on this device, enqueued on `stream`.
+        Hash-routed layers also take the tokens' ids, token_ids [N] int32 on the device."""
         if self._weights is None:
             raise RuntimeError("the layer has no weights: call load_weights first")
         xv = view(x, "x")
@@ -246,10 +248,18 @@ class Layer:
             ov = view(out, "out")
             check(ov, "out", (n, self.plan.hidden), "bfloat16", self.device_id)
             out_ptr, result = ov.ptr, out
-        self._launch(n, xv.ptr, out_ptr, stream_handle(stream))
+        tid_ptr = 0
+        if self._hashed:
+            if token_ids is None:
+                raise ArrayError(f"token_ids: this layer is hash-routed: give the tokens' ids, [{n}] int32")
+            tv = view(token_ids, "token_ids")
+            check(tv, "token_ids", (n,), "int32", self.device_id)
+            tid_ptr = tv.ptr
+        self._launch(n, xv.ptr, out_ptr, stream_handle(stream), token_ids=tid_ptr)
         return result
 
-    def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int, limit: int | None = None) -> None:
+    def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int, limit: int | None = None,
+                token_ids: int = 0) -> None:
         from cuda.core import launch
 
         s = self._streams.get(stream)
@@ -257,7 +267,8 @@ class Layer:
             s = self._streams[stream] = _StreamRef(stream)
         bi = self._bucket_of[n]
         for li, ln in enumerate(self.plan.buckets[bi].launches[:limit]):
-            launch(s, self._config(bi, li, n), self._kernels[ln.kernel], *self._args(ln.kernel, n, x_ptr, out_ptr))
+            launch(s, self._config(bi, li, n), self._kernels[ln.kernel],
+                   *self._args(ln.kernel, n, x_ptr, out_ptr, token_ids))
 
     def _config(self, bi: int, li: int, n: int) -> Any:
         from cuda.core import LaunchConfig
@@ -271,12 +282,14 @@ class Layer:
                                                      programmatic_stream_serialization=ln.pdl and _PDL)
         return cfg
 
-    def _args(self, kernel: str, n: int, x_ptr: int, out_ptr: int) -> list[Any]:
+    def _args(self, kernel: str, n: int, x_ptr: int, out_ptr: int, token_ids: int = 0) -> list[Any]:
         k = self.plan.kernel(kernel)
         args: list[Any] = []
         for key in k.arg_keys:
             if key == "n":
                 args.append(np.int32(n))
+            elif key == "token_ids":
+                args.append(np.uint64(token_ids))
             elif key == "x":
                 args.append(np.uint64(x_ptr))
             elif key == "out":

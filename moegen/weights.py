@@ -20,7 +20,8 @@ from .plan import PackedWeight, Plan
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Small fp32 weights copied as they are, by their device buffer name.
 RAW_SOURCES = {"corr_bias": "gate.e_score_correction_bias", "router_bias": "gate.bias",
-               "b_gate": "experts.gate_proj_bias", "b_up": "experts.up_proj_bias", "b_down": "experts.down_proj_bias"}
+               "b_gate": "experts.gate_proj_bias", "b_up": "experts.up_proj_bias", "b_down": "experts.down_proj_bias",
+               "tid2eid": "tid2eid"}
 
 
 class WeightError(ValueError):
@@ -92,11 +93,11 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     for buf in plan.raw:
         shapes[RAW_SOURCES[buf.name]] = buf.shape
     fmt = {src: pw.format for pw in plan.weights for src in pw.sources}
-    fmt.update({RAW_SOURCES[b.name]: "float32" for b in plan.raw})
+    fmt.update({RAW_SOURCES[b.name]: b.dtype for b in plan.raw})
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, shape in shapes.items():
-        if fmt.get(name) == "float32":
-            out[name] = (shape, "float32")
+        if fmt.get(name) in ("float32", "int32"):
+            out[name] = (shape, fmt[name])
         elif fmt.get(name, "bf16") == "fp8_block":
             out[name] = (shape, "float8_e4m3fn")
             out[f"{name}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)), "float32")

@@ -30,6 +30,13 @@ CASES = {
                       "shared_expert": {"intermediate_size": 512, "clamp": True},
                       "routing": {"score": "sqrt_softplus", "correction_bias": True, "renormalize": True,
                                   "routed_scaling_factor": 1.5}},
+    # DeepSeek-V4 hash layers: the token id's row of a static table picks the experts
+    "hash": {"experts": {"count": 64, "top_k": 6, "intermediate_size": 512},
+             "routing": {"score": "sqrt_softplus", "hash_vocab_size": 1000, "renormalize": True,
+                         "routed_scaling_factor": 1.5}},
+    # Phi-3.5-MoE SparseMixer
+    "sparsemixer": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512},
+                    "routing": {"score": "sparsemixer", "select": "logits"}},
     "gelu": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512, "activation": {"kind": "gelu_gated"}}},
 }
 
@@ -62,3 +69,5 @@ def test_feature_weights_are_asked_for():
     lc = make_plan(parse_spec({**BASE, **CASES["zero_experts"]}, check_generated=False))
     assert tensors(lc)["gate.weight"][0] == (96, 1024)  # the router scores routed + zero experts
     assert tensors(lc)["gate.e_score_correction_bias"][0] == (96,)
+    hashed = make_plan(parse_spec({**BASE, **CASES["hash"]}, check_generated=False))
+    assert tensors(hashed)["tid2eid"] == ((1000, 6), "int32")

@@ -46,6 +46,7 @@ MOE_DEVICE float key_value(u32 k) { return __uint_as_float((k & 0x80000000u) ? (
 #define MOE_SCORE_SOFTMAX 0
 #define MOE_SCORE_SIGMOID 1
 #define MOE_SCORE_SQRT_SOFTPLUS 2
+#define MOE_SCORE_SPARSEMIXER 3
 #define MOE_ACT_SILU 0
 #define MOE_ACT_GELU 1
 #define MOE_ACT_SWIGLU_CLAMPED 2
@@ -217,6 +218,8 @@ struct RouteRule {
   static constexpr int E_REAL = 128;
   static constexpr int ZERO = 0;
   static constexpr bool WEIGHT_ON_INPUT = false;
+  static constexpr bool HASH = false;
+  static constexpr float SPARSEMIXER_EPS = 0.01f;
   static constexpr bool SELECT_LOGITS = false;
   static constexpr bool CORR_BIAS = true;
   static constexpr bool ROUTER_BIAS = false;
@@ -259,7 +262,8 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
                            float* __restrict__ gate_s, int* __restrict__ num_slots,
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                           int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
+                           int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
   constexpr int ES = E + R::ZERO;
   constexpr int EPL = (ES + 31) / 32;
@@ -357,7 +361,15 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     // logit) of this lane's choice, not its biased selection value.
     float my_v = 0.0f;
     int my_e = 0;
-    for (int j = 0; j < K; ++j) {
+    if (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
+      if (lane < K) my_e = tid2eid[(size_t)token_ids[tk] * K + lane];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        const float cand = __shfl_sync(0xffffffffu, v[i], my_e & 31);
+        if (i == (my_e >> 5)) my_v = cand;
+      }
+    }
+    for (int j = 0; j < (R::HASH ? 0 : K); ++j) {
       float bv = MOE_NEG_INF, bs = 0.0f;
       int be = 0x7fffffff;
 #pragma unroll
@@ -379,6 +391,23 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       w = w / warp_sum(w);
     } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
       w = 1.0f / (1.0f + expf(-my_v));
+    } else if (R::SCORE == MOE_SCORE_SPARSEMIXER) {
+      // Phi-3.5: round j's pick is the largest remaining logit; the softmax runs over the remaining
+      // logits l with (top - l) / max(|l|, top) <= 2 eps, so the pick's weight is 1 / sum.
+      for (int j = 0; j < K; ++j) {
+        const float top = __shfl_sync(0xffffffffu, my_v, j);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          const int e = lane + 32 * i;
+          bool gone = e >= ES;
+          for (int jj = 0; jj < j; ++jj) gone |= e == __shfl_sync(0xffffffffu, my_e, jj);
+          const bool drop = (top - v[i]) / fmaxf(fabsf(v[i]), top) > 2.0f * R::SPARSEMIXER_EPS;
+          sum += (gone || drop) ? 0.0f : expf(v[i] - top);
+        }
+        sum = warp_sum(sum);
+        if (lane == j) w = 1.0f / sum;
+      }
     }
     if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
     w *= R::SCALE;
@@ -459,7 +488,8 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float*
                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
                                   int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                  int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
+                                  int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
   route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
@@ -482,7 +512,9 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
                                    float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                    float* __restrict__ gate_s, int* __restrict__ num_slots,
                                    int* __restrict__ slot_expert, int* __restrict__ slot_begin,
-                                   int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr) {
+                                   int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                                   const int* __restrict__ token_ids = nullptr,
+                                   const int* __restrict__ tid2eid = nullptr) {
   constexpr int KC_PART = KC / KSPLIT;
   using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
   __shared__ uint4 red[G::SMEM_BYTES / 16];
@@ -512,7 +544,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     __threadfence();
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-        slot_token, n, slot_w);
+        slot_token, n, slot_w, token_ids, tid2eid);
   }
 }
 
