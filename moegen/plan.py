@@ -30,6 +30,7 @@ ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU", "swiglu
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
+NORM_THREADS = 256
 ROUTE_THREADS = 1024  # the route kernel: one warp per token
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
@@ -131,6 +132,7 @@ class Plan:
     asserts: tuple[Assert, ...]
     route_rule: tuple[tuple[str, str, str], ...]  # (C type, name, value) of the layer's RouteRule constants
     act_rule: tuple[tuple[str, str, str], ...]  # the same for its ActRule
+    norm_rule: tuple[tuple[str, str, str], ...]  # and its NormRule
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
 
@@ -228,6 +230,25 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     fmt_s = sh.format.value if sh else "bf16"
 
     kernels: dict[str, Kernel] = {}
+    rnorm, enorm = spec.router.norm, spec.pre_expert_norm
+    x_router = "ws.xr" if rnorm else "x"  # what the router reads: x, or its RMSNorm
+    x_expert = "ws.xe" if enorm else "x"  # what the experts (and zero experts) read
+    norm_rule = (("float", "ROUTER_EPS", f"{float(rnorm.eps if rnorm else 1e-6)!r}f"),
+                 ("float", "EXPERT_EPS", f"{float(enorm.eps if enorm else 1e-6)!r}f"))
+    norm_name = ""
+    if rnorm or enorm:
+        norm_name = (f"moe_rmsnorm_h{h}" + (f"_router_eps{rnorm.eps:g}" if rnorm else "")
+                     + (f"_expert_eps{enorm.eps:g}" if enorm else "")).replace(".", "p").replace("-", "m")
+        norm_name += f"_{spec.arch}"
+        kernels[norm_name] = Kernel(
+            norm_name, "norm", NORM_THREADS, targs=(str(h), str(NORM_THREADS), _b(bool(rnorm)), _b(bool(enorm))),
+            params=("const bf16_t* __restrict__ x", "const float* __restrict__ w_router",
+                    "const float* __restrict__ w_expert", "bf16_t* __restrict__ xr", "bf16_t* __restrict__ xe",
+                    "int n"),
+            args=("x", "w_router", "w_expert", "xr", "xe", "n"),
+            arg_keys=("x", "w.rnorm_w", "w.enorm_w", "ws.xr", "ws.xe", "n"),
+            body="rmsnorm_body", comment="RMSNorm of x before the router and/or the experts",
+        )
     act = spec.experts.activation
     shared_limit = bool(sh and sh.clamp)
     act_tag = act.kind.value + (f"_a{act.alpha:g}" if act.alpha else "") + (f"_l{act.limit:g}" if act.limit else "")
@@ -275,7 +296,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                      ("const float* __restrict__ b_up", "b_up", "w.b_up"))
     down_extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if bias or z else ()
     if z:
-        down_extra += (("const bf16_t* __restrict__ x", "x", "x"), ("const int* __restrict__ topk_ids", "topk_ids",
+        down_extra += (("const bf16_t* __restrict__ x", "x", x_expert), ("const int* __restrict__ topk_ids", "topk_ids",
                                                                      "ws.topk_ids"))
 
     def router(nt: int, fused: bool) -> str:
@@ -289,7 +310,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
             params=("const uint4* __restrict__ wr", "const bf16_t* __restrict__ x", "float* logits",
                     "int* route_done", *route_params),
             args=("wr", "x", "logits", "route_done", *route_args),
-            arg_keys=("w.router", "x", "ws.logits", "ws.route_done", *route_keys),
+            arg_keys=("w.router", x_router, "ws.logits", "ws.route_done", *route_keys),
             body="router_logits_body",
             comment=f"router: {rows_pad} rows x {h}, K split {ksplit} ways, {8 * nt} tokens per pass"
             + ("; the last block routes" if fused else ""),
@@ -336,7 +357,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
                     "bf16_t* __restrict__ act", "bf16_t* __restrict__ act_s", "int n", *(x[0] for x in gu_extra)),
             args=("w13", "ws13", "s13", "ss13", "x", "num_slots", "slot_expert", "slot_begin", "slot_token", "act",
                   "act_s", "n", *(x[1] for x in gu_extra)),
-            arg_keys=("w.w13", "w.ws13", "w.s13", "w.ss13", "x", "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
+            arg_keys=("w.w13", "w.ws13", "w.s13", "w.ss13", x_expert, "ws.num_slots", "ws.slot_expert", "ws.slot_begin",
                       "ws.slot_token", "ws.act", "ws.act_s", "n", *(x[2] for x in gu_extra)),
             body="gate_up_body",
             comment=f"gate/up + {act_tag}: expert slots x {i // 16} tiles" + (f" + shared {si // 16} tiles" if si else ""),
@@ -392,6 +413,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         fused = nb <= FUSED_ROUTE_MAX
         groups = h // (16 * DOWN_TILES)
         launches = (
+            *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
             Launch(router(nt_dense, fused), ((rows_pad // 16) * ksplit, 1), WARPS * 32, pdl=True),
             *(() if fused else (Launch(route_name, (1, 1), ROUTE_THREADS, pdl=True),)),
             Launch(gate_up(nt_routed, nt_dense), (slots * (i // 16) + si // 16, 1), WARPS * 32, pdl=True),
@@ -416,6 +438,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),
         Buffer("route_done", "int32", (1,)),
+        Buffer("xr", "uint16", (nmax, h) if rnorm else (1,)),  # RMSNorm(x) for the router
+        Buffer("xe", "uint16", (nmax, h) if enorm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if woi or hashed else 1,)),  # routing weight per expert row (Llama-4)  # zero between calls: the last block resets it
         Buffer("out", "uint16", (nmax, h)),
     )
@@ -424,6 +448,10 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         raw.append(Buffer("corr_bias", "float32", (e + z,)))
     if spec.router.bias:
         raw.append(Buffer("router_bias", "float32", (e + z,)))
+    if rnorm:
+        raw.append(Buffer("rnorm_w", "float32", (h,)))
+    if enorm:
+        raw.append(Buffer("enorm_w", "float32", (h,)))
     if r.hash_vocab_size is not None:
         raw.append(Buffer("tid2eid", "int32", (r.hash_vocab_size, k)))
     if spec.experts.bias:
@@ -454,7 +482,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
         rows_pad=rows_pad, ksplit=ksplit, max_tokens=nmax, slots_max=slots_max,
         routing_desc=_routing_desc(spec), expert_bytes=3 * h * i * 2,
         kernels=tuple(kernels.values()), buckets=tuple(buckets), workspace=workspace,
-        weights=tuple(weights), asserts=asserts, route_rule=route_rule, act_rule=act_rule, raw=tuple(raw),
+        weights=tuple(weights), asserts=asserts, route_rule=route_rule, act_rule=act_rule, norm_rule=norm_rule, raw=tuple(raw),
     )
 
 
@@ -475,6 +503,7 @@ def plan_from_dict(d: dict) -> Plan:
     d["asserts"] = tuple(Assert(**a) for a in d["asserts"])
     d["route_rule"] = tuple(tuple(x) for x in d["route_rule"])
     d["act_rule"] = tuple(tuple(x) for x in d["act_rule"])
+    d["norm_rule"] = tuple(tuple(x) for x in d["norm_rule"])
     d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
     return Plan(**d)

@@ -21,7 +21,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 # Small fp32 weights copied as they are, by their device buffer name.
 RAW_SOURCES = {"corr_bias": "gate.e_score_correction_bias", "router_bias": "gate.bias",
                "b_gate": "experts.gate_proj_bias", "b_up": "experts.up_proj_bias", "b_down": "experts.down_proj_bias",
-               "tid2eid": "tid2eid"}
+               "tid2eid": "tid2eid", "rnorm_w": "router_norm.weight", "enorm_w": "pre_expert_norm.weight"}
 
 
 class WeightError(ValueError):

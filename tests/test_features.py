@@ -37,6 +37,9 @@ CASES = {
     # Phi-3.5-MoE SparseMixer
     "sparsemixer": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512},
                     "routing": {"score": "sparsemixer", "select": "logits"}},
+    # RMSNorm before the router and before the experts
+    "rmsnorm": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512},
+                "router": {"norm": {"eps": 1e-6}}, "pre_expert_norm": {"eps": 1e-5}},
     "gelu": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 512, "activation": {"kind": "gelu_gated"}}},
 }
 

@@ -230,6 +230,12 @@ struct RouteRule {
   static constexpr bool LOGITS_BF16 = false;
 };
 
+// ---- the RMSNorm epsilons of this layer (used only where it has the norms) ----
+struct NormRule {
+  static constexpr float ROUTER_EPS = 1e-06f;
+  static constexpr float EXPERT_EPS = 1e-06f;
+};
+
 // ---- the expert activation of this layer ----
 struct ActRule {
   static constexpr int KIND = MOE_ACT_SILU;
@@ -736,6 +742,39 @@ MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restr
         v[q * 2 + h] = row < rows ? *reinterpret_cast<const u32*>(src + (size_t)row * k + col + 2 * q) : 0u;
       }
     dst[u] = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---- norm family: RMSNorm of x before the router and/or before the experts ----
+// One block per token: the sum of squares in fp32 (a fixed reduction order), then
+// bf16(x * rsqrt(mean + eps) * weight) for each norm the layer has.
+template <int H, int THREADS, bool ROUTER_NORM, bool EXPERT_NORM>
+MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restrict__ w_router,
+                             const float* __restrict__ w_expert, bf16_t* __restrict__ xr,
+                             bf16_t* __restrict__ xe, int n) {
+  __shared__ float part[THREADS / 32];
+  grid_dep_wait();
+  grid_dep_launch();
+  const int tk = blockIdx.x;
+  if (tk >= n) return;
+  const bf16_t* row = x + (size_t)tk * H;
+  float ss = 0.0f;
+  for (int h = threadIdx.x; h < H; h += THREADS) {
+    const float v = bf16_to_f32(row[h]);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += part[w];
+  const float mean = total / H;
+  const float rr = 1.0f / sqrtf(mean + NormRule::ROUTER_EPS), re = 1.0f / sqrtf(mean + NormRule::EXPERT_EPS);
+  for (int h = threadIdx.x; h < H; h += THREADS) {
+    const float v = bf16_to_f32(row[h]);
+    if (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
+    if (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
   }
 }
 
