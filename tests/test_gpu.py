@@ -47,8 +47,13 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith("_scale_inv"):
             continue
+        if dtype == "int32":  # the hash table tid2eid: random experts
+            layer_w[name] = ref_w[name] = np.random.default_rng().integers(0, plan.experts, shape, dtype=np.int32)
+            continue
         w = torch.randn(shape, device="cuda", dtype=torch.float32) / math.sqrt(shape[-1])
-        if dtype == "float32":  # biases of the router: kept as they are
+        if name.endswith("norm.weight"):  # RMSNorm weights around 1
+            layer_w[name] = ref_w[name] = (1.0 + 0.1 * torch.randn(shape)).numpy()
+        elif dtype == "float32":  # biases: kept as they are
             layer_w[name] = (w * 0.1).cpu().numpy()
             ref_w[name] = layer_w[name]
         elif dtype == "bfloat16":
