@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_features import BASE, CASES
+from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights
 
 from moegen import reference
 from moegen.build import render_all, write_dir
 from moegen.plan import make_plan
 from moegen.runtime import load
 from moegen.spec import parse_spec
-from test_features import BASE, CASES
-from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -39,5 +39,7 @@ def test_feature_matches_reference(case, tmp_path):
         away = r.margin >= TIE_TOL
         same = (np.sort(r.ids, axis=1) == np.sort(ids, axis=1)).all(axis=1)
         assert (same | ~away).all(), f"{case} N={n}: experts differ from the reference away from ties"
+        rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64), token_ids=tids)
+        assert np.allclose(w, rw, rtol=1e-4, atol=1e-5), f"{case} N={n}: routing weights differ"
         ref = reference.moe_forward(spec, xh, host, token_ids=tids, ids=ids.astype(np.int64))
         _check_rows(_host(out).astype(np.float64), ref, f"{case} N={n}")
