@@ -1,0 +1,278 @@
+"""The kernel families of a layer, as the plan instantiates them: each function returns one
+Kernel (its name, template arguments, C signature and how the launcher fills each argument).
+
+Parameters that only some layers have go last in a signature and default to nullptr in the
+template bodies, so a layer without a feature compiles to the code it had before the feature
+existed (checkable with cuobjdump -sass).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .spec import Select, Spec
+
+if TYPE_CHECKING:
+    from .plan import Kernel, Target
+
+WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
+STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
+MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
+PACK_THREADS = 256
+NORM_THREADS = 256
+ROUTE_THREADS = 1024  # the route kernel: one warp per token
+DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
+A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
+SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID",
+               "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS", "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
+ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU",
+             "swiglu_clamped": "MOE_ACT_SWIGLU_CLAMPED"}
+
+Rule = tuple[tuple[str, str, str], ...]  # (C type, name, value) constants of a rule struct
+Extra = tuple[tuple[str, str, str], ...]  # (C parameter, wrapper argument, launcher key)
+
+
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def depth(mats: int, nt: int, fmt: str = "bf16") -> int:
+    """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
+    chunk_bytes = (mats * A_FRAGMENTS[fmt] + nt) * 512  # per warp: A fragments of MATS matrices, B of NT groups
+    return max(2, min(MAX_DEPTH, STATIC_SMEM // (WARPS * chunk_bytes)))
+
+
+def ksplit(tiles: int, kc: int, target: Target) -> int:
+    """Smallest split of the router's K that gives every multiprocessor a block."""
+    best = 1
+    for s in range(1, kc + 1):
+        if kc % s or kc // s < WARPS:
+            continue
+        best = s
+        if tiles * s >= target.sm_count:
+            break
+    return best
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The spec's numbers and choices that the kernel families are made from."""
+
+    spec: Spec
+    h: int
+    e: int
+    z: int  # zero (identity) experts
+    k: int
+    i: int
+    si: int  # shared expert width (0: none)
+    gated: bool  # the shared expert has a sigmoid gate
+    nmax: int
+    rows_pad: int  # router rows (scored experts + gate row) padded to 16
+    ksplit: int
+    fmt_e: str
+    fmt_s: str
+    woi: bool  # the routing weight scales the expert input (Llama-4)
+    bias: bool  # expert biases
+    hashed: bool
+    x_router: str  # what the router reads: x, or its RMSNorm
+    x_expert: str  # what the experts (and zero experts) read
+    act_tag: str
+    route_tag: str
+
+    @classmethod
+    def of(cls, spec: Spec, target: Target) -> Layer:
+        h, e, k, i = spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size
+        sh, z, r = spec.shared_expert, spec.experts.zero_experts, spec.routing
+        gated = bool(sh and sh.gate == "sigmoid")
+        rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
+        return cls(
+            spec=spec, h=h, e=e, z=z, k=k, i=i, si=sh.intermediate_size if sh else 0, gated=gated,
+            nmax=spec.max_tokens, rows_pad=rows_pad, ksplit=ksplit(rows_pad // 16, h // 32, target),
+            fmt_e=spec.experts.format.value, fmt_s=sh.format.value if sh else "bf16",
+            woi=r.weight_on_input, bias=spec.experts.bias, hashed=r.hash_vocab_size is not None,
+            x_router="ws.xr" if spec.router.norm else "x", x_expert="ws.xe" if spec.pre_expert_norm else "x",
+            act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated),
+        )
+
+
+def _act_tag(spec: Spec) -> str:
+    act, sh = spec.experts.activation, spec.shared_expert
+    tag = act.kind.value + (f"_a{act.alpha:g}" if act.alpha else "") + (f"_l{act.limit:g}" if act.limit else "")
+    return tag.replace(".", "p") + ("_sclamp" if sh and sh.clamp else "") + ("_bias" if spec.experts.bias else "")
+
+
+def _route_tag(spec: Spec, e: int, z: int, k: int, gated: bool) -> str:
+    r = spec.routing
+    scale = f"{r.routed_scaling_factor:g}".replace(".", "p")
+    return (f"e{e}{f'z{z}' if z else ''}_k{k}_{r.score.value}_{'logits' if r.select is Select.logits else 'scores'}"
+            f"{'_winput' if r.weight_on_input else ''}{'_hash' if r.hash_vocab_size else ''}"
+            f"{'_cbias' if r.correction_bias else ''}{'_rbias' if spec.router.bias else ''}"
+            f"{f'_g{r.n_group}of{r.topk_group}' if r.n_group > 1 else ''}"
+            f"{'_renorm' if r.renormalize else ''}{'_x' + scale if r.routed_scaling_factor != 1.0 else ''}"
+            f"{'_sgate' if gated else ''}_{spec.router.logits_dtype}")
+
+
+# ---- the rule structs of the layer file ----
+def route_rule(c: Layer) -> Rule:
+    r, spec = c.spec.routing, c.spec
+    return (
+        ("int", "SCORE", SCORE_MACRO[r.score.value]),
+        ("int", "E_REAL", str(c.e)),
+        ("int", "ZERO", str(c.z)),
+        ("bool", "WEIGHT_ON_INPUT", _b(c.woi)),
+        ("bool", "HASH", _b(c.hashed)),
+        ("float", "SPARSEMIXER_EPS", f"{r.sparsemixer_eps!r}f"),
+        ("bool", "SELECT_LOGITS", _b(r.select is Select.logits)),
+        ("bool", "CORR_BIAS", _b(r.correction_bias)),
+        ("bool", "ROUTER_BIAS", _b(spec.router.bias)),
+        ("int", "NGROUP", str(r.n_group)),
+        ("int", "TOPK_GROUP", str(r.topk_group)),
+        ("bool", "RENORM", _b(r.renormalize)),
+        ("float", "SCALE", f"{r.routed_scaling_factor!r}f"),
+        ("bool", "LOGITS_BF16", _b(spec.router.logits_dtype == "bf16")),
+    )
+
+
+def act_rule(c: Layer) -> Rule:
+    act, sh = c.spec.experts.activation, c.spec.shared_expert
+    return (
+        ("int", "KIND", ACT_MACRO[act.kind.value]),
+        ("float", "LIMIT", f"{float(act.limit or 0.0)!r}f"),
+        ("float", "ALPHA", f"{float(act.alpha or 1.0)!r}f"),
+        ("bool", "SHARED_LIMIT", _b(bool(sh and sh.clamp))),
+        ("bool", "EXPERT_BIAS", _b(c.bias)),
+    )
+
+
+def norm_rule(c: Layer) -> Rule:
+    rnorm, enorm = c.spec.router.norm, c.spec.pre_expert_norm
+    return (("float", "ROUTER_EPS", f"{float(rnorm.eps if rnorm else 1e-6)!r}f"),
+            ("float", "EXPERT_EPS", f"{float(enorm.eps if enorm else 1e-6)!r}f"))
+
+
+# ---- kernels ----
+def _kernel(name: str, family: str, threads: int, targs: tuple[str, ...], base: Extra, extra: Extra, body: str,
+            comment: str) -> Kernel:
+    from .plan import Kernel
+
+    sig = base + extra
+    return Kernel(name, family, threads, targs, tuple(x[0] for x in sig), tuple(x[1] for x in sig),
+                  tuple(x[2] for x in sig), body, comment)
+
+
+def norm_kernel(c: Layer) -> Kernel | None:
+    rnorm, enorm = c.spec.router.norm, c.spec.pre_expert_norm
+    if not (rnorm or enorm):
+        return None
+    name = (f"moe_rmsnorm_h{c.h}" + (f"_router_eps{rnorm.eps:g}" if rnorm else "")
+            + (f"_expert_eps{enorm.eps:g}" if enorm else "")).replace(".", "p").replace("-", "m") + f"_{c.spec.arch}"
+    base = (("const bf16_t* __restrict__ x", "x", "x"), ("const float* __restrict__ w_router", "w_router", "w.rnorm_w"),
+            ("const float* __restrict__ w_expert", "w_expert", "w.enorm_w"), ("bf16_t* __restrict__ xr", "xr", "ws.xr"),
+            ("bf16_t* __restrict__ xe", "xe", "ws.xe"), ("int n", "n", "n"))
+    return _kernel(name, "norm", NORM_THREADS, (str(c.h), str(NORM_THREADS), _b(bool(rnorm)), _b(bool(enorm))),
+                   base, (), "rmsnorm_body", "RMSNorm of x before the router and/or the experts")
+
+
+def _route_sig(c: Layer) -> Extra:
+    sig: Extra = (
+        ("const float* __restrict__ corr_bias", "corr_bias", "w.corr_bias"),
+        ("const float* __restrict__ router_bias", "router_bias", "w.router_bias"),
+        ("int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"), ("float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
+        ("int* __restrict__ pair_pos", "pair_pos", "ws.pair_pos"), ("float* __restrict__ gate_s", "gate_s", "ws.gate_s"),
+        ("int* __restrict__ num_slots", "num_slots", "ws.num_slots"),
+        ("int* __restrict__ slot_expert", "slot_expert", "ws.slot_expert"),
+        ("int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
+        ("int* __restrict__ slot_token", "slot_token", "ws.slot_token"), ("int n", "n", "n"),
+    )
+    if c.woi or c.hashed:
+        sig += (("float* __restrict__ slot_w", "slot_w", "ws.slot_w"),)
+    if c.hashed:  # the call's token ids and the static table [vocab, k] pick the experts
+        sig += (("const int* __restrict__ token_ids", "token_ids", "token_ids"),
+                ("const int* __restrict__ tid2eid", "tid2eid", "w.tid2eid"))
+    return sig
+
+
+def route_kernel(c: Layer, desc: str) -> Kernel:
+    name = f"moe_route_{c.route_tag}_ks{c.ksplit}_n{c.nmax}_{c.spec.arch}"
+    targs = (str(c.e), str(c.rows_pad), str(c.k), str(c.ksplit), str(c.nmax), _b(c.gated), str(ROUTE_THREADS))
+    base = (("const float* __restrict__ logits", "logits", "ws.logits"),)
+    return _kernel(name, "route", ROUTE_THREADS, targs, base, _route_sig(c), "route_kernel_body",
+                   f"route: {desc}; tokens grouped by expert")
+
+
+def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
+    name = (f"moe_router_r{c.rows_pad}_h{c.h}_ks{c.ksplit}_nt{nt}_n{c.nmax}" + (f"_route_{c.route_tag}" if fused else "")
+            + f"_bf16_{c.spec.arch}")
+    # Without the route, the route's parameters are fixed placeholders: the name carries all that shapes the code.
+    rt = (str(c.e), str(c.k), _b(c.gated)) if fused else ("1", "1", "false")
+    targs = (*map(str, (c.h // 32, nt, WARPS, depth(1, nt), c.ksplit, c.rows_pad, c.nmax)), _b(fused), *rt)
+    base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const bf16_t* __restrict__ x", "x", c.x_router),
+            ("float* logits", "logits", "ws.logits"), ("int* route_done", "route_done", "ws.route_done"))
+    return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c), "router_logits_body",
+                   f"router: {c.rows_pad} rows x {c.h}, K split {c.ksplit} ways, {8 * nt} tokens per pass"
+                   + ("; the last block routes" if fused else ""))
+
+
+def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
+    name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
+            + f"_{c.act_tag}{'_winput' if c.woi else ''}_{c.spec.arch}")
+    targs = (*map(str, (c.h // 32, nt, nts, WARPS, depth(2, max(nt, nts), c.fmt_e), c.i // 16, c.si // 16, c.i,
+                        max(c.si, 1))), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s], str(c.e))
+    base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
+            ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
+            ("const bf16_t* __restrict__ x", "x", c.x_expert),
+            ("const int* __restrict__ num_slots", "num_slots", "ws.num_slots"),
+            ("const int* __restrict__ slot_expert", "slot_expert", "ws.slot_expert"),
+            ("const int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
+            ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
+            ("bf16_t* __restrict__ act", "act", "ws.act"), ("bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
+            ("int n", "n", "n"))
+    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias else ()
+    if c.bias:
+        extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
+                  ("const float* __restrict__ b_up", "b_up", "w.b_up"))
+    return _kernel(name, "gate_up", WARPS * 32, targs, base, extra, "gate_up_body",
+                   f"gate/up + {c.act_tag}: expert slots x {c.i // 16} tiles"
+                   + (f" + shared {c.si // 16} tiles" if c.si else ""))
+
+
+def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
+    name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
+            + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
+            + ("_winput" if c.woi else "") + f"_{c.spec.arch}")
+    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, WARPS, depth(DOWN_TILES, max(nt, nts), c.fmt_e), DOWN_TILES,
+                        c.h // (16 * DOWN_TILES), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s])
+    base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
+            ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
+            ("const bf16_t* __restrict__ act", "act", "ws.act"), ("const bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
+            ("const int* __restrict__ num_slots", "num_slots", "ws.num_slots"),
+            ("const int* __restrict__ slot_expert", "slot_expert", "ws.slot_expert"),
+            ("const int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
+            ("float* y", "y", "ws.y"), ("float* ys", "ys", "ws.ys"),
+            ("const float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
+            ("const int* __restrict__ pair_pos", "pair_pos", "ws.pair_pos"),
+            ("const float* __restrict__ gate_s", "gate_s", "ws.gate_s"), ("int* tile_done", "tile_done", "ws.tile_done"),
+            ("bf16_t* __restrict__ out", "out", "out"), ("int n", "n", "n"))
+    extra: Extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if c.bias or c.z else ()
+    if c.z:
+        extra += (("const bf16_t* __restrict__ x", "x", c.x_expert),
+                  ("const int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"))
+    return _kernel(name, "down", WARPS * 32, targs, base, extra, "down_body",
+                   f"down: expert slots x {c.h // 16} tiles of {c.i}" + (f" + shared ({c.si})" if c.si else "")
+                   + "; the last block of each tile writes the weighted sum")
+
+
+def pack_kernels(arch: str) -> list[Kernel]:
+    out = []
+    for mats, inter in ((1, False), (2, False), (DOWN_TILES, True)):
+        name = f"moe_pack_tiles_m{mats}{'_interleaved' if inter else ''}_{arch}"
+        base = (("const bf16_t* __restrict__ src0", "src0", "src0"), ("const bf16_t* __restrict__ src1", "src1", "src1"),
+                ("uint4* __restrict__ dst", "dst", "dst"), ("int experts", "experts", "experts"),
+                ("int rows", "rows", "rows"), ("int rows_pad", "rows_pad", "rows_pad"), ("int k", "k", "k"))
+        out.append(_kernel(name, "pack", PACK_THREADS, (str(mats), _b(inter)), base, (), "pack_body",
+                           f"weight packing, {mats} {'consecutive tiles' if inter else 'matrices'} per tile"
+                           " (runs once, at load)"))
+    return out
