@@ -81,11 +81,23 @@ class Layer:
     x_expert: str  # what the experts (and zero experts) read
     act_tag: str
     route_tag: str
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_lo: int = 0  # this rank's experts: [ep_lo, ep_lo + e_local)
+    e_local: int = 0
+
+    @property
+    def ep_tag(self) -> str:
+        return f"_ep{self.ep_size}r{self.ep_rank}" if self.ep_size > 1 else ""
 
     @classmethod
     def of(cls, spec: Spec, target: Target) -> Layer:
         h, e, k, i = spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size
         sh, z, r = spec.shared_expert, spec.experts.zero_experts, spec.routing
+        ep, rank = spec.parallel.ep_size, spec.parallel.ep_rank
+        lo, n_local = partition(e, ep, rank)
+        if rank > 0:  # the shared expert (and its gate) is added once, on rank 0
+            sh = None
         gated = bool(sh and sh.gate == "sigmoid")
         rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
         return cls(
@@ -94,8 +106,15 @@ class Layer:
             fmt_e=spec.experts.format.value, fmt_s=sh.format.value if sh else "bf16",
             woi=r.weight_on_input, bias=spec.experts.bias, hashed=r.hash_vocab_size is not None,
             x_router="ws.xr" if spec.router.norm else "x", x_expert="ws.xe" if spec.pre_expert_norm else "x",
-            act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated),
+            act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
+            ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local,
         )
+
+
+def partition(experts: int, ep_size: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous share of the experts: the first experts % ep_size ranks hold one more."""
+    base, extra = divmod(experts, ep_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
 def _act_tag(spec: Spec) -> str:
@@ -124,6 +143,10 @@ def route_rule(c: Layer) -> Rule:
         ("int", "ZERO", str(c.z)),
         ("bool", "WEIGHT_ON_INPUT", _b(c.woi)),
         ("bool", "HASH", _b(c.hashed)),
+        ("bool", "EP", _b(c.ep_size > 1)),
+        ("int", "EP_LO", str(c.ep_lo)),
+        ("int", "EP_N", str(c.e_local)),
+        ("bool", "EP_RANK0", _b(c.ep_rank == 0)),
         ("float", "SPARSEMIXER_EPS", f"{r.sparsemixer_eps!r}f"),
         ("bool", "SELECT_LOGITS", _b(r.select is Select.logits)),
         ("bool", "CORR_BIAS", _b(r.correction_bias)),
@@ -218,9 +241,9 @@ def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
 
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
-            + f"_{c.act_tag}{'_winput' if c.woi else ''}_{c.spec.arch}")
+            + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}_{c.spec.arch}")
     targs = (*map(str, (c.h // 32, nt, nts, WARPS, depth(2, max(nt, nts), c.fmt_e), c.i // 16, c.si // 16, c.i,
-                        max(c.si, 1))), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s], str(c.e))
+                        max(c.si, 1))), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s], str(c.e_local))
     base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
             ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
             ("const bf16_t* __restrict__ x", "x", c.x_expert),
@@ -242,7 +265,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
 def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
             + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
-            + ("_winput" if c.woi else "") + f"_{c.spec.arch}")
+            + ("_winput" if c.woi else "") + c.ep_tag + f"_{c.spec.arch}")
     targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, WARPS, depth(DOWN_TILES, max(nt, nts), c.fmt_e), DOWN_TILES,
                         c.h // (16 * DOWN_TILES), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s])
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),

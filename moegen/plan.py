@@ -106,6 +106,8 @@ class Plan:
     hidden: int
     experts: int
     scored: int  # experts the router scores: routed + zero (identity) experts
+    local_experts: int  # the experts whose weights this layer holds (expert parallelism: this rank's)
+    expert_offset: int  # the first of them
     top_k: int
     inter: int
     shared_inter: int
@@ -180,6 +182,9 @@ def _check_shapes(spec: Spec) -> None:
         uses_fp8 = fp8[1] if name.startswith("shared") else (fp8[0] or (fp8[1] and name == "hidden_size"))
         if uses_fp8 and v % 128:
             raise PlanError(f"{name}={v}: FP8 128x128 block weights need a multiple of 128")
+    ep = spec.parallel.ep_size
+    if ep > spec.experts.count:
+        raise PlanError(f"parallel.ep_size={ep}: more ranks than the {spec.experts.count} experts to spread")
     if spec.experts.top_k > 32:
         raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
 
@@ -202,7 +207,8 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     buckets = tuple(_bucket(c, nb, add, norm_name, route_name) for nb in _buckets(spec))
     return Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
-        shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax, slots_max=min(c.e, c.nmax * c.k),
+        shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
+        slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
         kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
@@ -212,7 +218,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
 
 def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str) -> Bucket:
     """The launches for calls of up to nb tokens."""
-    slots = min(c.e, nb * c.k)
+    slots = min(c.e_local, nb * c.k)
     nt_dense = _nt(nb)
     # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
     # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
@@ -233,7 +239,7 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
 
 def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
-    slots_max = min(c.e, nmax * k)
+    slots_max = min(c.e_local, nmax * k)
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
@@ -272,16 +278,17 @@ def _raw(c: F.Layer) -> tuple[Buffer, ...]:
     if c.hashed:
         raw.append(Buffer("tid2eid", "int32", (spec.routing.hash_vocab_size, c.k)))
     if c.bias:
-        raw += [Buffer("b_gate", "float32", (e, i)), Buffer("b_up", "float32", (e, i)),
-                Buffer("b_down", "float32", (e, h))]
+        el = c.e_local
+        raw += [Buffer("b_gate", "float32", (el, i)), Buffer("b_up", "float32", (el, i)),
+                Buffer("b_down", "float32", (el, h))]
     return tuple(raw)
 
 
 def _weights(c: F.Layer) -> tuple[PackedWeight, ...]:
-    e, h, i, si = c.e, c.h, c.i, c.si
+    e, h, i, si = c.e_local, c.h, c.i, c.si
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if c.gated else ())
     weights = [
-        PackedWeight("router", router_sources, 1, False, 0, e + c.z + int(c.gated), c.rows_pad, h),
+        PackedWeight("router", router_sources, 1, False, 0, c.e + c.z + int(c.gated), c.rows_pad, h),
         PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, c.fmt_e, "s13"),
         PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i, c.fmt_e, "s2"),
     ]

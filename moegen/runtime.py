@@ -128,6 +128,7 @@ class Layer:
             lo = b.max_tokens + 1
         self._outs = {}
         self._hashed = any("token_ids" in k.arg_keys for k in plan.kernels)
+        self._allreduce: Any = None
 
     # ---- weights ----
     def load_weights(self, weights: Mapping[str, Any]) -> None:
@@ -255,8 +256,17 @@ class Layer:
             tv = view(token_ids, "token_ids")
             check(tv, "token_ids", (n,), "int32", self.device_id)
             tid_ptr = tv.ptr
-        self._launch(n, xv.ptr, out_ptr, stream_handle(stream), token_ids=tid_ptr)
+        handle = stream_handle(stream)
+        self._launch(n, xv.ptr, out_ptr, handle, token_ids=tid_ptr)
+        if self._allreduce is not None:  # expert parallelism: sum the ranks' partial outputs
+            self._allreduce(result, handle)
         return result
+
+    def set_allreduce(self, fn: Any) -> None:
+        """Expert parallelism: fn(out, stream_handle) sums `out` over the ranks in place, enqueued on
+        the stream (e.g. moegen.parallel.torch_allreduce(group)). Each rank's layer computes its own
+        experts' share; the shared expert is added on rank 0 only."""
+        self._allreduce = fn
 
     def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int, limit: int | None = None,
                 token_ids: int = 0) -> None:

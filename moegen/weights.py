@@ -82,7 +82,7 @@ def expected(plan: Plan) -> dict[str, tuple[int, ...]]:
 def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """Hugging Face name -> (shape, dtype) of every input tensor. FP8 block weights come as
     e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form)."""
-    h, e, i, si = plan.hidden, plan.experts, plan.inter, plan.shared_inter
+    h, e, i, si = plan.hidden, plan.local_experts, plan.inter, plan.shared_inter
     shapes = {"gate.weight": (plan.scored, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
     if plan.shared_gate:
@@ -119,7 +119,7 @@ def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, 
             pieces, piece_shape = [(name, weights[name])], shape
         elif name.startswith("experts.") and f"experts.0.{name.split('.', 1)[1]}" in weights:
             proj = name.split(".", 1)[1]
-            keys = [f"experts.{x}.{proj}" for x in range(plan.experts)]
+            keys = [f"experts.{x}.{proj}" for x in range(plan.local_experts)]
             missing = [k for k in keys if k not in weights]
             if missing:
                 raise WeightError(f"missing weight {missing[0]}: expected {list(shape[1:])} (one per expert)")
@@ -151,7 +151,7 @@ def gather(weights: Mapping[str, Any], plan: Plan) -> dict[str, np.ndarray]:
 
 def _is_per_expert(key: str, plan: Plan) -> bool:
     parts = key.split(".")
-    return len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit() and int(parts[1]) < plan.experts
+    return len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit() and int(parts[1]) < plan.local_experts
 
 
 def pack(plan: Plan, sources: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -74,3 +74,27 @@ def test_feature_weights_are_asked_for():
     assert tensors(lc)["gate.e_score_correction_bias"][0] == (96,)
     hashed = make_plan(parse_spec({**BASE, **CASES["hash"]}, check_generated=False))
     assert tensors(hashed)["tid2eid"] == ((1000, 6), "int32")
+
+
+def test_expert_parallel_partition():
+    """Each rank holds a contiguous share; together they hold every expert once; rank 0 alone
+    keeps the shared expert; the kernels compile clean."""
+    from moegen.families import partition
+
+    for e, ep in ((256, 8), (60, 8), (8, 3), (5, 5)):
+        spans = [partition(e, ep, r) for r in range(ep)]
+        assert sum(n for _, n in spans) == e
+        assert all(lo == plo + pn for (lo, _), (plo, pn) in zip(spans[1:], spans))
+        assert max(n for _, n in spans) - min(n for _, n in spans) <= 1
+    d = {**BASE, "experts": {"count": 60, "top_k": 4, "intermediate_size": 512},
+         "shared_expert": {"intermediate_size": 512, "gate": "sigmoid"}}
+    specs = [parse_spec({**d, "parallel": {"ep_size": 8, "ep_rank": r}}, check_generated=False) for r in range(8)]
+    plans = [make_plan(s) for s in specs]
+    assert [p.local_experts for p in plans] == [8, 8, 8, 8, 7, 7, 7, 7]
+    assert [p.expert_offset for p in plans] == [0, 8, 16, 24, 32, 39, 46, 53]
+    assert plans[0].shared_inter == 512 and all(p.shared_inter == 0 for p in plans[1:])
+    assert tensors(plans[5])["experts.gate_proj"][0] == (7, 512, 1024)
+    res = compile_cuda(render_all(specs[5], plans[5])["layer.cu"], "sm_90a", use_cache=False).resources
+    assert not any(r.spill_stores or r.stack_bytes for r in res.values())
+    with pytest.raises(Exception, match="more ranks than"):
+        make_plan(parse_spec({**d, "parallel": {"ep_size": 61, "ep_rank": 0}}, check_generated=False))

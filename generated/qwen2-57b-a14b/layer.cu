@@ -219,6 +219,10 @@ struct RouteRule {
   static constexpr int ZERO = 0;
   static constexpr bool WEIGHT_ON_INPUT = false;
   static constexpr bool HASH = false;
+  static constexpr bool EP = false;
+  static constexpr int EP_LO = 0;
+  static constexpr int EP_N = 64;
+  static constexpr bool EP_RANK0 = true;
   static constexpr float SPARSEMIXER_EPS = 0.01f;
   static constexpr bool SELECT_LOGITS = false;
   static constexpr bool CORR_BIAS = false;
@@ -420,7 +424,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     if (lane < K) {
       topk_ids[tk * K + lane] = my_e;
       topk_w[tk * K + lane] = w;
-      if (R::ZERO == 0 || my_e < E) atomicAdd(&cnt[my_e], 1);
+      // Only this rank's experts (expert parallelism) and no identity expert get a slot.
+      if ((R::ZERO == 0 || my_e < E) && (!R::EP || (my_e >= R::EP_LO && my_e < R::EP_LO + R::EP_N)))
+        atomicAdd(&cnt[my_e], 1);
     }
     if (SHARED_GATE && lane == 0) {
       float s = 0.0f;
@@ -459,7 +465,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       ci += carry_c;
       fi += carry_f;
       if (f) {
-        slot_expert[fi - 1] = e;
+        slot_expert[fi - 1] = e - R::EP_LO;  // the expert's index among this rank's weights
         slot_begin[fi - 1] = ci - c;
         cursor[e] = ci - c;
       }
@@ -475,8 +481,8 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   __syncthreads();
   for (int p = threadIdx.x; p < n * K; p += THREADS) {
     const int e = topk_ids[p];
-    if (R::ZERO > 0 && e >= E) {  // an identity expert: added as w * x by the combine
-      pair_pos[p] = -1;
+    if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
+      pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
       continue;
     }
     const int pos = atomicAdd(&cursor[e], 1);
@@ -702,10 +708,11 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     for (int j = 0; j < K; ++j) {
       // Llama-4 weighted the input instead; a zero (identity) expert contributes w * x.
       const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
-      if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL)
-        acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);
-      else
+      if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
+        if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);  // added on one rank
+      } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {  // expert parallelism: this rank's experts
         acc = fmaf(w, __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+      }
     }
     if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
     out[(size_t)tk * H + h] = f32_to_bf16(acc);
