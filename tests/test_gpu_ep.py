@@ -45,3 +45,65 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
         layer(x, out=part, stream=torch.cuda.current_stream())
         total += part.float()
     _check_rows(total.double().cpu().numpy(), _host(want).astype(np.float64), f"ep_size={ep_size}")
+
+
+def _rank_main(rank: int, world: int, root: str, port: int, results: dict) -> None:
+    """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from cuda.core import Device
+
+    from moegen.parallel import torch_allreduce
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same weights and input on every rank
+    full_plan = make_plan(parse_spec(LAYER, check_generated=False))
+    dev_w, _ = _rand_weights(full_plan, torch)
+    x = torch.randn(64, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
+    spec = parse_spec({**LAYER, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
+    plan = make_plan(spec)
+    out_dir = f"{root}/r{rank}"
+    write_dir(__import__("pathlib").Path(out_dir), render_all(spec, plan))
+    lo, n = plan.expert_offset, plan.local_experts
+    w = {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in dev_w.items()
+         if rank == 0 or not k.startswith("shared_expert")}
+    layer = load(out_dir, w, device=Device(rank))
+    layer.set_allreduce(torch_allreduce())
+    out = torch.empty_like(x)
+    layer(x, out=out, stream=torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, out=out, stream=torch.cuda.current_stream())
+    eager = out.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    if rank == 0:
+        write_dir(__import__("pathlib").Path(f"{root}/full"), render_all(parse_spec(LAYER, check_generated=False),
+                                                                         full_plan))
+        full = load(f"{root}/full", dev_w, device=Device(0))
+        want = torch.empty_like(x)
+        full(x, out=want, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        results["eager"] = _host(eager).astype(np.float64)
+        results["graph"] = _host(out).astype(np.float64)
+        results["want"] = _host(want).astype(np.float64)
+    dist.destroy_process_group()
+
+
+def test_ranks_on_several_gpus(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip("one process per GPU needs at least 2 GPUs")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(world, str(tmp_path), 29517, results), nprocs=world, join=True)
+        for kind in ("eager", "graph"):
+            _check_rows(results[kind], results["want"], f"{world} GPUs, {kind}")
