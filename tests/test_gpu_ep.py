@@ -3,6 +3,8 @@ outputs, summed, equal the single-GPU layer within bf16 tolerance; the shared ex
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_gpu import _check_rows, _host, _rand_weights
@@ -67,7 +69,7 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict) -> No
     spec = parse_spec({**LAYER, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
     plan = make_plan(spec)
     out_dir = f"{root}/r{rank}"
-    write_dir(__import__("pathlib").Path(out_dir), render_all(spec, plan))
+    write_dir(Path(out_dir), render_all(spec, plan))
     lo, n = plan.expert_offset, plan.local_experts
     w = {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in dev_w.items()
          if rank == 0 or not k.startswith("shared_expert")}
@@ -83,8 +85,7 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict) -> No
     graph.replay()
     torch.cuda.synchronize()
     if rank == 0:
-        write_dir(__import__("pathlib").Path(f"{root}/full"), render_all(parse_spec(LAYER, check_generated=False),
-                                                                         full_plan))
+        write_dir(Path(f"{root}/full"), render_all(parse_spec(LAYER, check_generated=False), full_plan))
         full = load(f"{root}/full", dev_w, device=Device(0))
         want = torch.empty_like(x)
         full(x, out=want, stream=torch.cuda.current_stream())
