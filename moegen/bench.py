@@ -86,6 +86,10 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith("_scale_inv"):
             out[name] = rng.uniform(0.5, 1.0, shape).astype(np.float32) / 448.0
+        elif dtype == "int32":  # a hash table: random experts
+            out[name] = rng.integers(0, plan.experts, shape, dtype=np.int32)
+        elif dtype == "float32":  # biases and norm weights
+            out[name] = (1.0 if name.endswith("norm.weight") else 0.0) + 0.1 * rng.standard_normal(shape, np.float32)
         elif torch is not None:
             w = torch.randn(shape, device="cuda") / math.sqrt(shape[-1])
             if dtype == "bfloat16":
@@ -183,6 +187,10 @@ def _can_compare(spec: Any) -> bool:
         return False
     if spec.experts.format.value != "bf16" or (spec.shared_expert and spec.shared_expert.format.value != "bf16"):
         print("--compare: the PyTorch baselines take BF16 weights; skipped for this spec")
+        return False
+    r = spec.routing
+    if r.score.value != "softmax" or r.correction_bias or r.n_group > 1 or spec.router.bias or spec.experts.zero_experts:
+        print("--compare: the PyTorch baselines route by softmax only; skipped for this spec")
         return False
     return True
 
