@@ -19,7 +19,7 @@ from .spec import Select, Spec
 REPEATS = 30
 
 
-def _route(spec: Spec, x: Any, router: Any, gate_row: Any, torch: Any) -> tuple[Any, Any]:
+def _route(spec: Spec, x: Any, router: Any) -> tuple[Any, Any]:
     logits = x.float() @ router.float().t()
     k = spec.experts.top_k
     if spec.routing.select is Select.logits:
@@ -47,7 +47,7 @@ def _shared(x: Any, wts: dict[str, Any], torch: Any) -> Any:
 def loop_over_experts(spec: Spec, x: Any, wts: dict[str, Any], torch: Any) -> Any:
     """transformers-style: for each hit expert, gather its tokens, run its MLP, add weighted."""
     f = torch.nn.functional
-    ids, w = _route(spec, x, wts["gate.weight"], None, torch)
+    ids, w = _route(spec, x, wts["gate.weight"])
     out = torch.zeros_like(x, dtype=torch.float32)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -62,7 +62,7 @@ def grouped_mm(spec: Spec, x: Any, wts: dict[str, Any], torch: Any) -> Any:
     """Tokens sorted by expert, then torch._grouped_mm for gate/up and for down."""
     f = torch.nn.functional
     e_count, k = spec.experts.count, spec.experts.top_k
-    ids, w = _route(spec, x, wts["gate.weight"], None, torch)
+    ids, w = _route(spec, x, wts["gate.weight"])
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=e_count)

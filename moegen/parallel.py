@@ -25,10 +25,5 @@ def torch_allreduce(group: Any = None) -> Any:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             dist.all_reduce(t, group=group)
 
+    allreduce.ranks = dist.get_world_size(group)  # checked against the spec by Layer.set_allreduce
     return allreduce
-
-
-def check_group_size(group_size: int, ep_size: int) -> None:
-    """A communicator must have exactly one rank per expert-parallel rank."""
-    if group_size != ep_size:
-        raise ValueError(f"the communicator has {group_size} ranks, the spec's parallel.ep_size is {ep_size}")

@@ -108,6 +108,7 @@ class Plan:
     scored: int  # experts the router scores: routed + zero (identity) experts
     local_experts: int  # the experts whose weights this layer holds (expert parallelism: this rank's)
     expert_offset: int  # the first of them
+    ep_size: int  # expert-parallel ranks (1: the layer holds every expert)
     top_k: int
     inter: int
     shared_inter: int
@@ -208,7 +209,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     return Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
-        slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo,
+        slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
         kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),

@@ -265,7 +265,11 @@ class Layer:
     def set_allreduce(self, fn: Any) -> None:
         """Expert parallelism: fn(out, stream_handle) sums `out` over the ranks in place, enqueued on
         the stream (e.g. moegen.parallel.torch_allreduce(group)). Each rank's layer computes its own
-        experts' share; the shared expert is added on rank 0 only."""
+        experts' share; the shared expert is added on rank 0 only. A function with a `ranks`
+        attribute (as torch_allreduce's) must have one rank per expert-parallel rank."""
+        ranks = getattr(fn, "ranks", None)
+        if ranks is not None and ranks != self.plan.ep_size:
+            raise ValueError(f"the communicator has {ranks} ranks, the spec's parallel.ep_size is {self.plan.ep_size}")
         self._allreduce = fn
 
     def _launch(self, n: int, x_ptr: int, out_ptr: int, stream: int, limit: int | None = None,

@@ -18,8 +18,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SPEC_VERSION = 1
-
 
 class SpecError(ValueError):
     """A spec file that cannot be used; the message names the file and the field."""

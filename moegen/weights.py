@@ -142,24 +142,9 @@ def collect(weights: Mapping[str, Any], plan: Plan, describe: Any) -> dict[str, 
     return out
 
 
-def gather(weights: Mapping[str, Any], plan: Plan) -> dict[str, np.ndarray]:
-    """Host version of collect: every source tensor as one bf16-bits NumPy array."""
-    pieces = collect(weights, plan, lambda o, k: (np.asarray(o).shape, np.asarray(o).dtype.name, False))
-    return {name: np.stack([bf16_bits(o, k) for k, o in ps]) if len(ps) > 1 else bf16_bits(ps[0][1], name)
-            for name, ps in pieces.items()}
-
-
 def _is_per_expert(key: str, plan: Plan) -> bool:
     parts = key.split(".")
     return len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit() and int(parts[1]) < plan.local_experts
-
-
-def pack(plan: Plan, sources: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every packed weight of the plan, as uint16 arrays ready to copy to the device."""
-    out = {}
-    for pw in plan.weights:
-        out[pw.name] = _pack_one(pw, sources)
-    return out
 
 
 def packed_nbytes(pw: PackedWeight) -> int:

@@ -43,6 +43,13 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
         w = {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in dev_w.items()
              if rank == 0 or not k.startswith("shared_expert")}
         layer = load(tmp_path / f"r{rank}", w)
+        if rank == 0:  # a communicator of the wrong size is refused, naming both sizes
+
+            def wrong(out: object, stream: int) -> None: ...
+
+            wrong.ranks = ep_size + 1
+            with pytest.raises(ValueError, match=f"has {ep_size + 1} ranks.*ep_size is {ep_size}"):
+                layer.set_allreduce(wrong)
         part = torch.full_like(x, float("nan"))
         layer(x, out=part, stream=torch.cuda.current_stream())
         total += part.float()
