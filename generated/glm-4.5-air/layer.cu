@@ -261,9 +261,9 @@ MOE_DEVICE float activate(float g, float u) {
 }
 
 // ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
-// One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are
-// numbered in ascending expert order (slots) and each (token, choice) pair gets a row in its
-// expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
+// One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j
+// keeps the j-th choice); then the hit experts are numbered in ascending expert order (slots)
+// and each (token, choice) pair gets a row in its expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
 // counters give, which changes no result: each token's row is computed independently.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R>
