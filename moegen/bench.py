@@ -172,6 +172,8 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
               "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
               "rows": rows}
+    for layer in stack:
+        layer.close()
     _print(result)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")

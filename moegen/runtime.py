@@ -262,6 +262,13 @@ class Layer:
             self._allreduce(result, handle)
         return result
 
+    def close(self) -> None:
+        """Free the layer's device memory (weights and workspace) now rather than at exit."""
+        for mem in (self._weights, self.workspace):
+            if mem is not None:
+                mem.close()
+        self._weights = None
+
     def set_allreduce(self, fn: Any) -> None:
         """Expert parallelism: fn(out, stream_handle) sums `out` over the ranks in place, enqueued on
         the stream (e.g. moegen.parallel.torch_allreduce(group)). Each rank's layer computes its own
