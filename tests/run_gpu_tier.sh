@@ -3,6 +3,7 @@
 # tests, sanitizer and benchmarks, logs under ${OUT:-gpu-logs}. Prints a short summary last.
 #   bash tests/run_gpu_tier.sh            everything (about 6-8 minutes on one H200)
 #   bash tests/run_gpu_tier.sh quick      the GPU tests only
+#   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
 set -uo pipefail
 out="${OUT:-gpu-logs}"
 mkdir -p "$out"
@@ -14,6 +15,13 @@ run() {  # name, command...
   local rc=$?
   summary+=("$name: rc=$rc $(grep -E 'passed|failed|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -1)")
 }
+if [ "${1:-}" = profile ]; then
+  ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+      --section MemoryWorkloadAnalysis -k regex:"moe_(router|route|gate|down)" \
+      python3 -W ignore tests/gpu_sanitize.py qwen3-30b-a3b:1 qwen3-next-80b-a3b:1 >"$out/ncu.txt" 2>&1
+  grep -E "^  moe_|Duration|DRAM Throughput|Achieved Occupancy|Waves Per SM" "$out/ncu.txt"
+  exit 0
+fi
 run gpu-tests python3 -m pytest -q -W ignore::DeprecationWarning -m gpu tests/test_gpu.py
 run gpu-features python3 -m pytest -q -W ignore::DeprecationWarning -m gpu tests/test_gpu_features.py tests/test_gpu_ep.py
 run gpu-oracle python3 -m pytest -q -W ignore::DeprecationWarning -m gpu tests/test_oracle.py tests/test_hf.py
