@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 
-def load(path, device=None):
-    """Load a generated layer directory (e.g. "generated/qwen3-30b-a3b") and return its Layer class."""
+def load(path, weights=None, device=None):  # noqa: ANN001, ANN201 - typed in moegen.runtime.load
+    """The layer of a generated directory (e.g. "generated/qwen3-30b-a3b"), compiled for this GPU;
+    weights (Hugging Face names, see Layer.load_weights) may be given now or later."""
     from .runtime import load as _load
 
-    return _load(path, device=device)
+    return _load(path, weights=weights, device=device)
