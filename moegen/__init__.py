@@ -2,8 +2,10 @@
 
 __version__ = "0.1.0"
 
+from typing import Any
 
-def load(path, weights=None, device=None):  # noqa: ANN001, ANN201 - typed in moegen.runtime.load
+
+def load(path: Any, weights: Any = None, device: Any = None) -> Any:
     """The layer of a generated directory (e.g. "generated/qwen3-30b-a3b"), compiled for this GPU;
     weights (Hugging Face names, see Layer.load_weights) may be given now or later."""
     from .runtime import load as _load
