@@ -1,8 +1,8 @@
 """moegen: compiles a model's Mixture-of-Experts layer spec into specialized CUDA and a launcher."""
 
-__version__ = "0.1.0"
-
 from typing import Any
+
+__version__ = "0.1.0"
 
 
 def load(path: Any, weights: Any = None, device: Any = None) -> Any:
