@@ -1,0 +1,190 @@
+"""The runtime's plumbing without a GPU: the CUDA driver and cuda.core's launch are replaced by
+recorders, so these tests check what the layer would allocate, copy and launch (every kernel of
+the bucket, in order, with every pointer it needs set) and how it refuses bad arguments. What the
+kernels compute is the GPU tier's job."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import cuda.core
+import ml_dtypes
+import numpy as np
+import pytest
+from test_features import BASE, CASES
+
+from moegen import runtime
+from moegen.arrays import ArrayError, View
+from moegen.plan import make_plan
+from moegen.spec import parse_spec
+from moegen.weights import tensors
+
+
+class FakeDriver:
+    """The cuda.bindings.driver calls the runtime makes, recorded; memory is fake addresses."""
+
+    CUresult = SimpleNamespace(CUDA_SUCCESS=0)
+
+    def __init__(self) -> None:
+        self.top = 1 << 32
+        self.live: dict[int, int] = {}
+        self.copies: list[tuple[str, int, int]] = []
+
+    def cuMemAlloc(self, size: int) -> tuple[int, int]:
+        ptr, self.top = self.top, self.top + (size + 4095) // 4096 * 4096 + 4096
+        self.live[ptr] = size
+        return 0, ptr
+
+    def cuMemFree(self, ptr: int) -> tuple[int]:
+        assert ptr in self.live, "freeing memory that was not allocated"
+        del self.live[ptr]
+        return (0,)
+
+    def cuMemsetD8(self, ptr: int, value: int, n: int) -> tuple[int]:
+        return (0,)
+
+    def cuMemcpyHtoD(self, dst: int, src: int, n: int) -> tuple[int]:
+        assert self._inside(dst, n), "copy outside any allocation"
+        self.copies.append(("htod", dst, n))
+        return (0,)
+
+    def cuMemcpyDtoD(self, dst: int, src: int, n: int) -> tuple[int]:
+        assert self._inside(dst, n)
+        self.copies.append(("dtod", dst, n))
+        return (0,)
+
+    def cuCtxSynchronize(self) -> tuple[int]:
+        return (0,)
+
+    def _inside(self, ptr: int, n: int) -> bool:
+        return any(base <= ptr and ptr + n <= base + size for base, size in self.live.items())
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, Any, tuple[Any, ...]]] = []
+
+    def launch(self, stream: Any, config: Any, kernel: str, *args: Any) -> None:
+        self.launches.append((kernel, config, args))
+
+
+class FakeArray:
+    """A device array as the runtime sees it through DLPack."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, ptr: int = 0x7000_0000_0000) -> None:
+        self.v = View(ptr, shape, None, dtype, True, 0)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeDriver, Recorder]:
+    drv, rec = FakeDriver(), Recorder()
+    monkeypatch.setattr(runtime, "_driver", lambda: drv)
+    monkeypatch.setattr(cuda.core, "launch", rec.launch)
+    monkeypatch.setattr(cuda.core, "LaunchConfig", lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(cuda.core, "ObjectCode", SimpleNamespace(from_cubin=lambda b: SimpleNamespace(
+        get_kernel=lambda name: name)))
+    real_view = runtime.view
+    monkeypatch.setattr(runtime, "view", lambda o, name: o.v if isinstance(o, FakeArray) else real_view(o, name))
+    return drv, rec
+
+
+def _host_weights(plan: Any) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng()
+    out = {}
+    for name, (shape, dtype) in tensors(plan).items():
+        if dtype == "int32":
+            out[name] = rng.integers(0, plan.experts, shape, dtype=np.int32)
+        elif dtype == "float32":
+            out[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            out[name] = rng.standard_normal(shape).astype(np.dtype(getattr(ml_dtypes, dtype)))
+    return out
+
+
+def _layer(plan: Any) -> runtime.Layer:
+    device = SimpleNamespace(device_id=0, set_current=lambda: None)
+    return runtime.Layer(plan, b"", [k.name for k in plan.kernels], device=device)
+
+
+# Small layers of the catalog's kinds (host weights of the real sizes would take minutes to make),
+# and every rule of tests/test_features.py.
+SMALL = {
+    "shared_gate": {"experts": {"count": 64, "top_k": 10, "intermediate_size": 256},
+                    "shared_expert": {"intermediate_size": 256, "gate": "sigmoid"}, "routing": {"renormalize": True}},
+    "grouped": {"experts": {"count": 64, "top_k": 8, "intermediate_size": 256}, "shared_expert": {"intermediate_size": 256},
+                "routing": {"score": "sigmoid", "correction_bias": True, "n_group": 8, "topk_group": 4,
+                            "renormalize": True, "routed_scaling_factor": 2.5}},
+    "fp8": {"experts": {"count": 16, "top_k": 4, "intermediate_size": 256, "format": "fp8_block"},
+            "shared_expert": {"intermediate_size": 256, "format": "fp8_block"}},
+}
+SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **CASES}.items()]
+
+
+@pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
+def test_every_kernel_gets_every_pointer(fake_cuda, case):
+    spec = case[1]
+    drv, rec = fake_cuda
+    plan = make_plan(spec)
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    assert drv.copies, "no weight reached the device"
+    hashed = spec.routing.hash_vocab_size is not None
+    for n in (1, 7, plan.max_tokens):
+        rec.launches.clear()
+        x = FakeArray((n, plan.hidden), "bfloat16")
+        tid = FakeArray((n,), "int32", ptr=0x7100_0000_0000) if hashed else None
+        layer(x, out=FakeArray((n, plan.hidden), "bfloat16", ptr=0x7200_0000_0000), stream=5, token_ids=tid)
+        bucket = plan.buckets[layer._bucket_of[n]]
+        assert [k for k, _, _ in rec.launches] == [ln.kernel for ln in bucket.launches]
+        for kernel, _, args in rec.launches:
+            k = plan.kernel(kernel)
+            assert len(args) == len(k.params) == len(k.arg_keys)
+            for key, arg in zip(k.arg_keys, args):
+                needed = key in ("x", "out", "token_ids") or key.startswith("ws.") or (
+                    key.startswith("w.") and key[2:] in {w.name for w in plan.weights} | {b.name for b in plan.raw}
+                    | {w.scale_name for w in plan.weights if w.format != "bf16"})
+                if needed:
+                    assert int(arg) != 0, f"{kernel}: argument {key} is a null pointer"
+            assert dict(zip(k.arg_keys, args)).get("n", n) == n
+
+
+def test_hash_layers_need_token_ids(fake_cuda):
+    plan = make_plan(parse_spec({**BASE, **CASES["hash"]}, check_generated=False))
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    x = FakeArray((3, plan.hidden), "bfloat16")
+    with pytest.raises(ArrayError, match="token_ids: this layer is hash-routed"):
+        layer(x)
+    with pytest.raises(ArrayError, match="token_ids: dtype int64, expected int32"):
+        layer(x, token_ids=FakeArray((3,), "int64"))
+
+
+def test_allreduce_runs_after_the_kernels_on_the_same_stream(fake_cuda):
+    _, rec = fake_cuda
+    spec = parse_spec({**BASE, "experts": {"count": 16, "top_k": 2, "intermediate_size": 512},
+                       "parallel": {"ep_size": 2, "ep_rank": 1}}, check_generated=False)
+    plan = make_plan(spec)
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    seen = []
+
+    def allreduce(out: Any, stream: int) -> None:
+        seen.append((len(rec.launches), stream, out))
+
+    allreduce.ranks = 2
+    layer.set_allreduce(allreduce)
+    out = FakeArray((4, plan.hidden), "bfloat16", ptr=0x7300_0000_0000)
+    layer(FakeArray((4, plan.hidden), "bfloat16"), out=out, stream=9)
+    assert seen == [(len(rec.launches), 9, out)]
+
+
+def test_close_frees_everything(fake_cuda):
+    drv, _ = fake_cuda
+    plan = make_plan(SPECS[0][1])
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    layer.close()
+    assert drv.live == {}, "device memory left allocated"
+    with pytest.raises(RuntimeError, match="no weights"):
+        layer(FakeArray((1, plan.hidden), "bfloat16"))
