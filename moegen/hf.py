@@ -2,9 +2,9 @@
 
 Field names and defaults follow the installed transformers' configuration and modeling files
 (transformers 5.x): a field that transformers defaults is defaulted the same way here, a field
-it requires (hidden size, expert count, top-k, expert width) is required. Where transformers'
-code departs from the authors' (DeepSeek-V2 ignores norm_topk_prob, DeepSeek-V4 clamps the
-shared expert), the comment at that line says which one is followed.
+it requires (hidden size, expert count, top-k, expert width) is required. Where implementations
+disagree (transformers' DeepSeek-V2 ignores norm_topk_prob; transformers' DeepSeek-V4 clamps the
+shared expert as well as the routed ones), the comment at that line says which one is followed.
 
 Naming: `--name` > the stem of `-o` > the config's directory name; `--model` > the config's
 `_name_or_path` > an HF cache path `models--<org>--<repo>/...`.
@@ -180,8 +180,11 @@ def _deepseek_v4(c: Cfg, layer: int) -> dict[str, Any]:
     limit = float(c.get("swiglu_limit", 10.0))
     experts = _experts(c, "n_routed_experts", "moe_intermediate_size")
     experts["activation"] = {**experts.get("activation", {}), "limit": limit}
-    # MODELS.md note E: disputed between implementations; transformers' DeepseekV4MLP clamps it.
-    shared = {"intermediate_size": c.get("n_shared_experts", 1) * c.need("moe_intermediate_size"), "clamp": True}
+    # MODELS.md note E: whether the shared expert is clamped too is disputed between implementations
+    # (transformers' DeepseekV4MLP clamps it). The config documents swiglu_limit for the routed experts
+    # and MODELS.md lists the clamp on the routed experts only, so the shared expert is left unclamped;
+    # shared_expert.clamp in the spec selects the other reading.
+    shared = {"intermediate_size": c.get("n_shared_experts", 1) * c.need("moe_intermediate_size"), "clamp": False}
     routing = {"score": score, "renormalize": c.get("norm_topk_prob", True),
                "routed_scaling_factor": c.get("routed_scaling_factor", 1.5)}
     routing.update({"hash_vocab_size": c.need("vocab_size")} if hashed else {"correction_bias": True})

@@ -83,6 +83,8 @@ def _extras(s: Spec, c: Cfg) -> str:
         n = c.get("n_shared_experts", 1)
         out.append(f"{n} shared experts as one ungated MLP {sh.intermediate_size}" if n > 1
                    else f"shared MLP {sh.intermediate_size}, ungated")
+    if sh is not None and a.limit is not None:  # the routed experts are clamped: say whether this one is
+        out[-1] += ", clamped too" if sh.clamp else ", not clamped"
     return "".join(f"; {x}" for x in out)
 
 

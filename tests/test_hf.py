@@ -15,6 +15,7 @@ from moegen.checkpoint import CheckpointError, MissingTensor, ShapeError, load_l
 from moegen.cli import main
 from moegen.hf import (
     FAMILIES,
+    Cfg,
     HFError,
     LayerError,
     MissingField,
@@ -24,14 +25,30 @@ from moegen.hf import (
     moe_layers,
 )
 from moegen.spec import load_spec, not_generated
+from moegen.specyaml import to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "hf"
-CATALOG = sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file())
-# The importer words each family's comment one way; this committed comment predates it and
-# words the Qwen3-MoE routing differently from its siblings (regenerate it to drop the entry).
-COMMENT_DIFFERS: dict[str, str] = {}  # catalog specs whose first comment line import-hf words differently
+# tests/data/hf/<name>/ holds config.json, import.json, or both (see tests/data/hf/README.md).
+CATALOG = sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file() or (p / "import.json").is_file())
+# Catalog specs whose first comment line import-hf words differently (none: a spec whose values
+# the importer reproduces is regenerated from it, comment included).
+COMMENT_DIFFERS: dict[str, str] = {}
 BF16 = ml_dtypes.bfloat16
+
+
+def import_args(name: str) -> list[str]:
+    """The config and extra `import-hf` arguments that make specs/<name>.yaml: config.json in
+    tests/data/hf/<name>/ unless its import.json names another ("config", relative to that
+    directory), plus import.json's "args" (e.g. the layer)."""
+    d = DATA / name
+    how = json.loads((d / "import.json").read_text()) if (d / "import.json").is_file() else {}
+    assert set(how) <= {"config", "args"}, f"{d / 'import.json'}: unknown keys {sorted(set(how) - {'config', 'args'})}"
+    config = (d / how.get("config", "config.json")).resolve()
+    assert config.is_file(), f"{name}: no config {config}"
+    args = how.get("args", [])
+    assert isinstance(args, list) and all(isinstance(a, str) for a in args), f"{name}: args must be a list of strings"
+    return [str(config), *args]
 
 
 def write_config(tmp: Path, cfg: dict, name: str = "config.json") -> Path:
@@ -51,7 +68,7 @@ def test_every_catalog_spec_has_a_transcribed_config():
 @pytest.mark.parametrize("name", CATALOG)
 def test_import_reproduces_the_committed_spec(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     out = tmp_path / f"{name}.yaml"
-    assert main(["spec", "import-hf", str(DATA / name / "config.json"), "-o", str(out)]) == 0
+    assert main(["spec", "import-hf", *import_args(name), "-o", str(out)]) == 0
     got, want = out.read_text().splitlines(True), (ROOT / "specs" / f"{name}.yaml").read_text().splitlines(True)
     assert got[1:] == want[1:], "the fields differ from the committed spec"
     assert got[0].rstrip("\n") == COMMENT_DIFFERS.get(name, want[0].rstrip("\n"))
@@ -132,7 +149,7 @@ def dump(spec) -> dict:
                                                                               "sparsemixer_eps": 0.01}}),
     (LONGCAT, 27, {"experts": {"count": 512, "zero_experts": 256, "top_k": 12}, "routing": {
         "score": "softmax", "correction_bias": True, "renormalize": False, "routed_scaling_factor": 6.0}}),
-    (V4, 2, {"experts": {"activation": {"limit": 10.0}}, "shared_expert": {"clamp": True},
+    (V4, 2, {"experts": {"activation": {"limit": 10.0}}, "shared_expert": {"clamp": False},
              "routing": {"score": "sqrt_softplus", "hash_vocab_size": 129280, "correction_bias": False}}),
     (V4, 3, {"routing": {"score": "sqrt_softplus", "hash_vocab_size": None, "correction_bias": True,
                          "routed_scaling_factor": 1.5}}),
@@ -156,6 +173,16 @@ def test_every_family_is_recognized_by_architecture_alone(tmp_path: Path):
         with pytest.raises(MissingField):  # recognized, then the first needed field is missing
             import_config(write_config(tmp_path, cfg), model="org/m")
         assert fam.architectures
+
+
+def test_v4_comment_says_whether_the_shared_expert_is_clamped(tmp_path: Path):
+    """MODELS.md note E: disputed, so a spec option; the import leaves it unclamped and says so."""
+    r = import_config(write_config(tmp_path, V4), layer=3, model="deepseek-ai/DeepSeek-V4-Flash")
+    assert r.spec.shared_expert.clamp is False
+    assert r.text.splitlines()[0].endswith("; SiLU clamped at 10.0; shared MLP 2048, ungated, not clamped.")
+    clamped = r.spec.model_copy(update={"shared_expert": r.spec.shared_expert.model_copy(update={"clamp": True})})
+    text = to_yaml(clamped, FAMILIES["deepseek_v4"], Cfg(V4, "config.json"))
+    assert text.splitlines()[0].endswith("shared MLP 2048, ungated, clamped too.") and "  clamp: true\n" in text
 
 
 def test_yaml_writes_only_what_differs_and_round_trips(tmp_path: Path):
@@ -251,9 +278,12 @@ def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_cli_notes_what_the_generator_does_not_produce(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["spec", "import-hf", str(write_config(tmp_path, GPT_OSS)), "--model", "openai/gpt-oss-20b",
+                 "-o", str(tmp_path / "oss.yaml")]) == 0
+    assert "note: the generator does not produce this yet: experts.format=mxfp4" in capsys.readouterr().err
     assert main(["spec", "import-hf", str(write_config(tmp_path, PHI)), "--model", "microsoft/Phi-3.5-MoE-instruct",
                  "-o", str(tmp_path / "phi.yaml")]) == 0
-    assert "note: the generator does not produce this yet: routing.score=sparsemixer" in capsys.readouterr().err
+    assert "note:" not in capsys.readouterr().err  # SparseMixer is generated
 
 
 # ----------------------------------------------------------------------------- checkpoints

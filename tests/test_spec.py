@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from enum import Enum
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from moegen.spec import Spec, SpecError, load_spec, parse_spec
+from moegen.spec import _GENERATED, Spec, SpecError, load_spec, not_generated, parse_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 CATALOG = sorted(SPECS.glob("*.yaml"))
@@ -38,6 +39,35 @@ MODELS = {
     "deepseek-v2-lite": (2048, 64, 6, 1408, (2816, "none"), False, 1.0),
 }
 
+# The catalog's other routing rules, same columns, then the fields that make the rule (MODELS.md
+# notes A-E; DeepSeek-V4's shared-expert clamp is the spec's choice, off).
+_SIG = {"routing.score": "sigmoid", "routing.select": "scores", "routing.correction_bias": True}
+_V4 = {"routing.score": "sqrt_softplus", "experts.activation.limit": 10.0, "shared_expert.clamp": False}
+_V4_SCORED = {**_V4, "routing.correction_bias": True, "routing.hash_vocab_size": None, "routing.n_group": 1}
+_V4_HASH = {**_V4, "routing.correction_bias": False, "routing.hash_vocab_size": 129280}
+_LLAMA4 = {"routing.score": "sigmoid", "routing.select": "logits", "routing.weight_on_input": True}
+_OSS = {"experts.activation.kind": "swiglu_clamped", "experts.activation.alpha": 1.702, "experts.activation.limit": 7.0,
+        "experts.activation.interleaved_gate_up": True, "experts.bias": True, "router.bias": True,
+        "routing.score": "softmax", "routing.select": "logits"}
+RULES = {
+    "deepseek-v3": (7168, 256, 8, 2048, (2048, "none"), True, 2.5, {**_SIG, "routing.n_group": 8, "routing.topk_group": 4}),
+    "kimi-k2": (7168, 384, 8, 2048, (2048, "none"), True, 2.827, {**_SIG, "routing.n_group": 1}),
+    "glm-4.5": (5120, 160, 8, 1536, (1536, "none"), True, 2.5, {**_SIG, "routing.n_group": 1}),
+    "glm-4.5-air": (4096, 128, 8, 1408, (1408, "none"), True, 1.0, {**_SIG, "routing.n_group": 1}),
+    "deepseek-v4-flash": (4096, 256, 6, 2048, (2048, "none"), True, 1.5, _V4_SCORED),
+    "deepseek-v4-flash-hash": (4096, 256, 6, 2048, (2048, "none"), True, 1.5, _V4_HASH),
+    "deepseek-v4-pro": (7168, 384, 6, 3072, (3072, "none"), True, 2.5, _V4_SCORED),
+    "deepseek-v4-pro-hash": (7168, 384, 6, 3072, (3072, "none"), True, 2.5, _V4_HASH),
+    "longcat-flash": (6144, 512, 12, 2048, None, False, 6.0,
+                      {"experts.zero_experts": 256, "routing.score": "softmax", "routing.correction_bias": True}),
+    "llama-4-scout": (5120, 16, 1, 8192, (8192, "none"), False, 1.0, _LLAMA4),
+    "llama-4-maverick": (5120, 128, 1, 8192, (8192, "none"), False, 1.0, _LLAMA4),
+    "gpt-oss-20b": (2880, 32, 4, 2880, None, False, 1.0, _OSS),
+    "gpt-oss-120b": (2880, 128, 4, 2880, None, False, 1.0, _OSS),
+    "phi-3.5-moe": (4096, 16, 2, 6400, None, False, 1.0,
+                    {"routing.score": "sparsemixer", "routing.sparsemixer_eps": 0.01}),
+}
+
 
 def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     p = tmp_path / name
@@ -53,8 +83,8 @@ def base_dict() -> dict:
 
 
 def test_catalog_is_not_empty():
-    assert len(CATALOG) >= len(MODELS), f"expected at least the {len(MODELS)} catalog specs in {SPECS}"
-    assert {p.stem for p in CATALOG} >= set(MODELS)
+    assert len(CATALOG) >= len(MODELS) + len(RULES), f"expected at least the catalog specs in {SPECS}"
+    assert {p.stem for p in CATALOG} >= set(MODELS) | set(RULES)
 
 
 @pytest.mark.parametrize("path", CATALOG, ids=lambda p: p.stem)
@@ -79,6 +109,28 @@ def test_catalog_matches_models_md(stem: str):
     assert (r.score.value, r.select.value, spec.router.logits_dtype) == ("softmax", "scores", "fp32")
     assert spec.experts.format.value == "bf16" and spec.experts.zero_experts == 0
     assert not r.correction_bias and r.n_group == 1 and r.hash_vocab_size is None
+
+
+def _value(spec: Spec, dotted: str):
+    obj = spec
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "value", obj)
+
+
+@pytest.mark.parametrize("stem", sorted(RULES))
+def test_catalog_routing_rules_match_models_md(stem: str):
+    h, e, k, i, shared, renorm, scale, fields = RULES[stem]
+    spec = load_spec(SPECS / f"{stem}.yaml")
+    assert (spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size) == (h, e, k, i)
+    if shared is None:
+        assert spec.shared_expert is None
+    else:
+        assert (spec.shared_expert.intermediate_size, spec.shared_expert.gate) == shared
+    assert (spec.routing.renormalize, spec.routing.routed_scaling_factor) == (renorm, scale)
+    assert spec.experts.format.value == "bf16" and spec.router.logits_dtype == "fp32"
+    for dotted, want in fields.items():
+        assert _value(spec, dotted) == want, f"{stem}: {dotted}"
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -127,13 +179,12 @@ def test_impossible_values_are_refused_by_field(tmp_path: Path, edit: str, field
 @pytest.mark.parametrize(
     "section,values,message",
     [
-        ("routing", {"score": "sqrt_softplus"}, "routing.score=sqrt_softplus is not generated yet"),
         ("experts", {"format": "nvfp4"}, "experts.format=nvfp4 is not generated yet"),
+        ("experts", {"format": "mxfp4"}, "experts.format=mxfp4 is not generated yet"),
         ("experts", {"format": "fp8_block", "fp8_activations": True}, "experts.fp8_activations=True is not generated yet"),
-        ("experts", {"zero_experts": 8}, "experts.zero_experts=8 is not generated yet"),
-        ("routing", {"weight_on_input": True}, "routing.weight_on_input=True is not generated yet"),
-        ("routing", {"hash_vocab_size": 100}, "routing.hash_vocab_size=100 is not generated yet"),
-        ("pre_expert_norm", {"eps": 1e-6}, "pre_expert_norm=set is not generated yet"),
+        ("shared_expert", {"intermediate_size": 32, "format": "nvfp4"}, "shared_expert.format=nvfp4 is not generated yet"),
+        ("router", {"format": "fp8_tensor"}, "router.format=fp8_tensor is not generated yet"),
+        ("parallel", {"ep_size": 2, "ep_rank": 1}, "parallel.ep_size=2 is not generated yet"),
     ],
 )
 def test_not_generated_features_are_refused_by_name(tmp_path: Path, section: str, values: dict, message: str):
@@ -145,6 +196,45 @@ def test_not_generated_features_are_refused_by_name(tmp_path: Path, section: str
     assert message in str(info.value) and str(p) in str(info.value)
     spec = load_spec(p, check_generated=False)  # valid schema, only not generated yet
     assert spec.name == "t"
+
+
+# Rules the kernels generate and the GPU tier passed: a spec asking for them loads as is.
+GENERATED = [
+    ("routing", {"score": "sqrt_softplus", "correction_bias": True}, "routing.score", "sqrt_softplus"),
+    ("routing", {"score": "sparsemixer", "sparsemixer_eps": 0.02}, "routing.sparsemixer_eps", 0.02),
+    ("routing", {"hash_vocab_size": 100}, "routing.hash_vocab_size", 100),
+    ("routing", {"score": "sigmoid", "select": "logits", "weight_on_input": True}, "routing.weight_on_input", True),
+    ("experts", {"zero_experts": 8}, "experts.zero_experts", 8),
+    ("experts", {"activation": {"kind": "gelu_gated"}}, "experts.activation.kind", "gelu_gated"),
+    ("experts", {"activation": {"limit": 10.0}}, "experts.activation.limit", 10.0),
+    ("experts", {"activation": {"kind": "swiglu_clamped", "alpha": 1.702, "limit": 7.0, "interleaved_gate_up": True},
+                 "bias": True}, "experts.activation.interleaved_gate_up", True),
+    ("shared_expert", {"intermediate_size": 32, "clamp": True}, "shared_expert.clamp", True),
+    ("router", {"norm": {"eps": 1e-6}, "bias": True}, "router.norm.eps", 1e-6),
+    ("pre_expert_norm", {"eps": 1e-5}, "pre_expert_norm.eps", 1e-5),
+]
+
+
+@pytest.mark.parametrize("section,values,dotted,want", GENERATED, ids=[g[2] for g in GENERATED])
+def test_generated_features_are_accepted(tmp_path: Path, section: str, values: dict, dotted: str, want):
+    data = base_dict()
+    data.setdefault(section, {}).update(values)
+    spec = load_spec(write(tmp_path, yaml.safe_dump(data, sort_keys=False)))  # check_generated=True
+    assert _value(spec, dotted) == want and not_generated(spec) == []
+
+
+def test_refusal_table_lists_only_real_restrictions():
+    """Each entry of the table allows less than the schema: a field generated for every value has no entry."""
+    for dotted, allowed in _GENERATED.items():
+        *parents, name = dotted.split(".")
+        cls = Spec
+        for part in parents:  # SharedExpert | None -> SharedExpert
+            ann = cls.model_fields[part].annotation
+            cls = next((a for a in getattr(ann, "__args__", (ann,)) if a is not type(None)), ann)
+        ann = cls.model_fields[name].annotation
+        values = list(ann) if isinstance(ann, type) and issubclass(ann, Enum) else [False, True] if ann is bool else None
+        assert values is None or set(allowed) < set(values), f"{dotted}: allows every value {allowed}; drop the entry"
+        assert allowed, dotted
 
 
 def test_missing_file_names_the_path(tmp_path: Path):
