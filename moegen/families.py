@@ -127,7 +127,7 @@ def _route_tag(spec: Spec, e: int, z: int, k: int, gated: bool) -> str:
     r = spec.routing
     scale = f"{r.routed_scaling_factor:g}".replace(".", "p")
     return (f"e{e}{f'z{z}' if z else ''}_k{k}_{r.score.value}_{'logits' if r.select is Select.logits else 'scores'}"
-            f"{'_winput' if r.weight_on_input else ''}{'_hash' if r.hash_vocab_size else ''}"
+            f"{'_winput' if r.weight_on_input else ''}{f'_hash{r.hash_vocab_size}' if r.hash_vocab_size else ''}"
             f"{'_cbias' if r.correction_bias else ''}{'_rbias' if spec.router.bias else ''}"
             f"{f'_g{r.n_group}of{r.topk_group}' if r.n_group > 1 else ''}"
             f"{'_renorm' if r.renormalize else ''}{'_x' + scale if r.routed_scaling_factor != 1.0 else ''}"
@@ -143,6 +143,7 @@ def route_rule(c: Layer) -> Rule:
         ("int", "ZERO", str(c.z)),
         ("bool", "WEIGHT_ON_INPUT", _b(c.woi)),
         ("bool", "HASH", _b(c.hashed)),
+        ("int", "VOCAB", str(r.hash_vocab_size or 0)),
         ("bool", "EP", _b(c.ep_size > 1)),
         ("int", "EP_LO", str(c.ep_lo)),
         ("int", "EP_N", str(c.e_local)),

@@ -14,6 +14,8 @@ Conventions
 - Ties: on equal selection values the LOWER expert index wins (a stable sort of the negated
   values). Grouped top-k breaks equal group scores the same way (lower group index wins).
   Groups that are not kept are masked to -inf, so a masked expert can never be chosen.
+- RMSNorm outputs (before the router, before the experts) are bf16 activations: rounded to
+  bfloat16, as the models' norms return the input dtype.
 - Hash routing keeps the table's order of experts (there is no selection value to sort by).
 - Zero (identity) experts are indices >= experts.count; they return weight * (their input).
 - Expert parallelism is ignored: the oracle is the whole layer (the sum over all ranks).
@@ -72,7 +74,9 @@ def _weight(weights: Weights, name: str, shape: tuple[int, ...], expert: int | N
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    """RMSNorm whose output is a bf16 activation, as the models' norms return their input dtype."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    return y.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -236,9 +240,10 @@ def _hash_ids(spec: Spec, weights: Weights, token_ids: np.ndarray | None, n: int
     if table.shape != (vocab, k):
         raise ValueError(f"reference: tid2eid has shape {table.shape}, expected {(vocab, k)}")
     tok = np.asarray(token_ids).astype(np.int64)
-    if tok.shape != (n,) or (n and (tok.min() < 0 or tok.max() >= vocab)):
-        raise ValueError(f"reference: token_ids must be [{n}] ints in [0, {vocab})")
-    return _ids(spec, table[tok], n)
+    if tok.shape != (n,):
+        raise ValueError(f"reference: token_ids must be [{n}] ints")
+    # The documented rule for ids outside [0, vocab): clamped to the nearest row, as the kernels do.
+    return _ids(spec, table[np.clip(tok, 0, vocab - 1)], n)
 
 
 def _weights_for(spec: Spec, logits: np.ndarray, ids: np.ndarray) -> np.ndarray:

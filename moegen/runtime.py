@@ -71,7 +71,7 @@ class Memory:
             self.offsets[name] = total
             total += -(-max(size, 1) // ALIGN) * ALIGN
         # Plain cuMemAlloc (what cudaMalloc is): the frameworks' allocators stay out of it.
-        self.base = int(_ok(_driver().cuMemAlloc(total), f"allocating {total} bytes"))
+        self.base = int(_ok(_driver().cuMemAlloc(total), f"allocating {total} bytes")) if total else 0
         self.size = total
 
     def close(self) -> None:
@@ -81,6 +81,17 @@ class Memory:
 
     def ptr(self, name: str) -> int:
         return self.base + self.offsets[name]
+
+
+def _check_hash_table(table: np.ndarray, experts: int) -> None:
+    """tid2eid [vocab, k]: every row k distinct experts in [0, E) (the kernels index with them)."""
+    bad = np.nonzero(((table < 0) | (table >= experts)).any(axis=1))[0]
+    if bad.size:
+        raise W.WeightError(f"tid2eid: row {bad[0]} is {table[bad[0]].tolist()}: experts must be in [0, {experts})")
+    srt = np.sort(table, axis=1)
+    dup = np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]
+    if dup.size:
+        raise W.WeightError(f"tid2eid: row {dup[0]} is {table[dup[0]].tolist()}: a row's experts must be distinct")
 
 
 def to_host(obj: Any, name: str = "array") -> np.ndarray:
@@ -151,6 +162,8 @@ class Layer:
         raw = {b.name: np.ascontiguousarray(np.concatenate(
             [np.asarray(to_host(obj, key), b.dtype).reshape(-1) for key, obj in pieces[W.RAW_SOURCES[b.name]]]))
             for b in plan.raw}
+        if "tid2eid" in raw:
+            _check_hash_table(raw["tid2eid"].reshape(-1, plan.top_k), plan.experts)
         sizes.update({name: a.nbytes for name, a in raw.items()})
         packed = Memory(self.device, sizes)
         drv = _driver()
@@ -160,24 +173,28 @@ class Layer:
             codes, scales = host[pw.name]
             _ok(drv.cuMemcpyHtoD(packed.ptr(pw.name), codes.ctypes.data, codes.nbytes), f"copying {pw.name}")
             _ok(drv.cuMemcpyHtoD(packed.ptr(pw.scale_name), scales.ctypes.data, scales.nbytes), "copying scales")
-        # bf16 sources are staged contiguously; a concatenated matrix (router + gate row) is one buffer.
-        staged: dict[str, str] = {}
+        # bf16 sources are staged contiguously (a concatenated matrix, router + gate row, is one
+        # buffer), except a whole tensor already on this device: the pack kernel reads it in place.
+        src_ptr: dict[str, int] = {}
+        stage_of: dict[str, str] = {}
         stage_sizes: dict[str, int] = {}
         for pw in on_device:
             groups = [pw.sources] if (pw.mats == 1 and len(pw.sources) > 1) else [(s_,) for s_ in pw.sources]
             for grp in groups:
+                if len(grp) == 1 and (ptr := self._in_place(pieces[grp[0]], W.expected(plan)[grp[0]])):
+                    src_ptr[grp[0]] = ptr
+                    continue
                 for src in grp:
-                    staged[src] = grp[0]
+                    stage_of[src] = grp[0]
                 stage_sizes[grp[0]] = sum(int(np.prod(W.expected(plan)[src])) * 2 for src in grp)
         stage = Memory(self.device, stage_sizes)
         fill: dict[str, int] = dict.fromkeys(stage_sizes, 0)
+        for src, head in stage_of.items():  # a group's sources in order, one after the other
+            src_ptr[src] = stage.ptr(head) + fill[head]
+            for key, obj in pieces[src]:
+                fill[head] += self._copy_in(obj, key, stage.ptr(head) + fill[head])
         for pw in on_device:
-            for src in pw.sources:
-                for key, obj in pieces[src]:
-                    dst = stage.ptr(staged[src]) + fill[staged[src]]
-                    fill[staged[src]] += self._copy_in(obj, key, dst)
-        for pw in on_device:
-            self._pack(pw, stage, staged, packed)
+            self._pack(pw, src_ptr, packed)
         _ok(drv.cuCtxSynchronize(), "packing weights")
         stage.close()
         if self._weights is not None:
@@ -213,14 +230,25 @@ class Layer:
         _ok(drv.cuMemcpyDtoD(dst, v.ptr, nbytes), f"copying {key}")
         return nbytes
 
-    def _pack(self, pw: Any, stage: Memory, staged: dict[str, str], packed: Memory) -> None:
+    def _in_place(self, parts: list[tuple[str, Any]], shape: tuple[int, ...]) -> int:
+        """The device address of a source given as one whole bf16 tensor on this device, else 0."""
+        if len(parts) != 1 or isinstance(parts[0][1], np.ndarray):
+            return 0
+        key, obj = parts[0]
+        v = view(obj, key)
+        if not v.on_device:
+            return 0
+        check(v, key, shape, "bfloat16", self.device_id)
+        return v.ptr
+
+    def _pack(self, pw: Any, src_ptr: dict[str, int], packed: Memory) -> None:
         from cuda.core import LaunchConfig, launch
 
         units = W.packed_nbytes(pw) // 16
         kernel = self._kernels[f"moe_pack_tiles_m{pw.mats}{'_interleaved' if pw.interleaved else ''}_{self.plan.arch}"]
-        src1 = stage.ptr(staged[pw.sources[1]]) if len(pw.sources) == 2 and pw.mats == 2 else 0
+        src1 = src_ptr[pw.sources[1]] if len(pw.sources) == 2 and pw.mats == 2 else 0
         cfg = LaunchConfig(grid=min(-(-units // 256), 65535), block=256)
-        launch(_StreamRef(0), cfg, kernel, np.uint64(stage.ptr(staged[pw.sources[0]])), np.uint64(src1),
+        launch(_StreamRef(0), cfg, kernel, np.uint64(src_ptr[pw.sources[0]]), np.uint64(src1),
                np.uint64(packed.ptr(pw.name)), np.int32(max(pw.experts, 1)), np.int32(pw.rows),
                np.int32(pw.rows_padded), np.int32(pw.cols))
 

@@ -35,4 +35,6 @@ if [ "${1:-}" != quick ]; then
         --json "$out/bench-$s.json"
   done
 fi
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+# the device tool brings back few files: one archive of every log and JSON
+if [ -n "${OUT:-}" ]; then (cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.json ./*.txt 2>/dev/null); fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -47,8 +48,13 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith("_scale_inv"):
             continue
-        if dtype == "int32":  # the hash table tid2eid: random experts
-            layer_w[name] = ref_w[name] = np.random.default_rng().integers(0, plan.experts, shape, dtype=np.int32)
+        if dtype == "int32":  # the hash table tid2eid: k distinct random experts per row
+            rng = np.random.default_rng()
+            layer_w[name] = ref_w[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
+            continue
+        if dtype == "bfloat16":  # made in bf16 directly: the largest specs' fp32 would not fit
+            layer_w[name] = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(1 / math.sqrt(shape[-1]))
+            ref_w[name] = _host(layer_w[name])
             continue
         w = torch.randn(shape, device="cuda", dtype=torch.float32) / math.sqrt(shape[-1])
         if name.endswith("norm.weight"):  # RMSNorm weights around 1
@@ -56,9 +62,6 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
         elif dtype == "float32":  # biases: kept as they are
             layer_w[name] = (w * 0.1).cpu().numpy()
             ref_w[name] = layer_w[name]
-        elif dtype == "bfloat16":
-            layer_w[name] = w.to(torch.bfloat16)
-            ref_w[name] = _host(layer_w[name])
         else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition
             codes, scale, deq = _fp8_block(w, torch)
             layer_w[name] = codes.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
@@ -84,7 +87,7 @@ def _host(t: Any) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=SPECS, ids=lambda p: p.stem)
-def case(request, tmp_path_factory) -> Case:
+def case(request, tmp_path_factory) -> Iterator[Case]:
     import torch
 
     spec = load_spec(request.param)
@@ -95,12 +98,32 @@ def case(request, tmp_path_factory) -> Case:
     layer = load(out, dev_w)
     del dev_w
     torch.cuda.empty_cache()
-    return Case(spec, plan, layer, host)
+    yield Case(spec, plan, layer, host)
+    layer.close()  # the largest specs' weights fill a good part of the device: free before the next
+    torch.cuda.empty_cache()
+
+
+def _tids(case: Case, x: Any) -> Any:
+    """Hash-routed layers: each token's id, a function of its row (so a token keeps its id in
+    any batch), spread over [-vocab/8, vocab*9/8): the ids outside [0, vocab) check the
+    documented clamp on the device. None for the other layers."""
+    import torch
+
+    vocab = case.spec.routing.hash_vocab_size
+    if vocab is None:
+        return None
+    bits = x[:, :2].contiguous().view(torch.int32)[:, 0].to(torch.int64) & 0x7FFFFFFF
+    return (bits % (vocab + vocab // 4) - vocab // 8).to(torch.int32)
+
+
+def _host_tids(case: Case, x: Any) -> np.ndarray | None:
+    t = _tids(case, x)
+    return None if t is None else t.cpu().numpy()
 
 
 def _run(case: Case, x: Any, torch: Any) -> Any:
     out = torch.full(x.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    case.layer(x, out=out, stream=torch.cuda.current_stream())
+    case.layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=_tids(case, x))
     return out
 
 
@@ -118,7 +141,7 @@ def test_matches_reference(case: Case):
     import torch
 
     counts = sorted({1, 2, 3, 7, 16, 64, min(129, case.plan.max_tokens), case.plan.max_tokens})
-    xs, outs, ids, ws = [], [], [], []
+    xs, outs, ids, ws, tids = [], [], [], [], []
     for n in counts:
         x = torch.randn(n, case.plan.hidden, device="cuda", dtype=torch.bfloat16)
         outs.append(_host(_run(case, x, torch)).astype(np.float64))
@@ -126,18 +149,20 @@ def test_matches_reference(case: Case):
         xs.append(_host(x))
         ids.append(i)
         ws.append(w)
+        tids.append(_host_tids(case, x))
     x_all = np.concatenate(xs)
     ids_all = np.concatenate(ids).astype(np.int64)
-    r = reference.route(case.spec, x_all, case.host)
+    t_all = None if tids[0] is None else np.concatenate(tids)
+    r = reference.route(case.spec, x_all, case.host, token_ids=t_all)
     tie = r.margin < TIE_TOL
     same = np.sort(r.ids, axis=1) == np.sort(ids_all, axis=1)
     bad = np.nonzero(~same.all(axis=1) & ~tie)[0]
     assert bad.size == 0, f"token {bad[0]}: experts {sorted(ids_all[bad[0]])}, reference {sorted(r.ids[bad[0]])}"
     # routing weights for the kernel's choice (equal to the reference's choice away from ties)
-    rw = reference.routing_weights_for(case.spec, x_all, case.host, ids_all)
+    rw = reference.routing_weights_for(case.spec, x_all, case.host, ids_all, token_ids=t_all)
     w_all = np.concatenate(ws)
     assert np.allclose(w_all, rw, rtol=1e-4, atol=1e-5), f"routing weights differ by {np.abs(w_all - rw).max():.2e}"
-    ref = reference.moe_forward(case.spec, x_all, case.host, ids=ids_all)
+    ref = reference.moe_forward(case.spec, x_all, case.host, ids=ids_all, token_ids=t_all)
     start = 0
     for n, got in zip(counts, outs):
         _check_rows(got, ref[start:start + n], f"{case.spec.name} N={n}")
@@ -153,11 +178,11 @@ def test_graph_replay_and_determinism(case: Case):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        case.layer(x, out=out, stream=stream)  # warm-up outside the capture
+        case.layer(x, out=out, stream=stream, token_ids=_tids(case, x))  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        case.layer(x, out=out, stream=torch.cuda.current_stream())
+        case.layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=_tids(case, x))
     for _ in range(2):  # replay on fresh inputs: same bits as an eager call
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))
@@ -208,7 +233,8 @@ def test_launch_errors(case: Case):
         with pytest.raises(ArrayError, match="x: "):
             case.layer(x, stream=torch.cuda.current_stream())
     with pytest.raises(ArrayError, match="out: "):
-        case.layer(good, out=torch.empty(3, h, device="cuda", dtype=torch.bfloat16))
-    res = case.layer(good, stream=torch.cuda.current_stream())  # no out: the layer's own buffer
+        case.layer(good, out=torch.empty(3, h, device="cuda", dtype=torch.bfloat16), token_ids=_tids(case, good))
+    # no out: the layer's own buffer
+    res = case.layer(good, stream=torch.cuda.current_stream(), token_ids=_tids(case, good))
     got = torch.from_dlpack(res)
     assert got.shape == (2, h) and got.dtype == torch.bfloat16 and not torch.isnan(got).any()

@@ -27,6 +27,13 @@ def test_feature_matches_reference(case, tmp_path):
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
     layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(case, spec, plan, layer, host, torch)
+    finally:
+        layer.close()
+
+
+def _check_counts(case, spec, plan, layer, host, torch) -> None:
     hashed = spec.routing.hash_vocab_size is not None
     for n in (1, 7, 64):
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)

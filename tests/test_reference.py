@@ -465,6 +465,10 @@ def test_hash_routing_sqrt_softplus():
     np.testing.assert_allclose(ref.moe_forward(spec, x, w, token_ids=tok), outs, **TIGHT)
     with pytest.raises(ValueError, match="token_ids"):
         ref.route(spec, x, w)
+    # the documented rule for ids outside [0, vocab): the nearest row of the table
+    far = np.array([-5, vocab, vocab + 1000] + [0] * (len(x) - 3))
+    near = np.clip(far, 0, vocab - 1)
+    np.testing.assert_array_equal(ref.route(spec, x, w, token_ids=far).ids, w["tid2eid"][near])
 
 
 @pytest.mark.parametrize("shared_clamp", [False, True])
@@ -508,8 +512,8 @@ def test_gelu_gated_with_norms():
     )  # fmt: skip
     w, x = make_weights(rng, spec), make_x(rng, 9, spec)
 
-    def rms(v, weight, eps):
-        return v / math.sqrt(sum(t * t for t in v) / len(v) + eps) * f64(weight)
+    def rms(v, weight, eps):  # the normed activations are bf16, like the models' RMSNorm output
+        return f64(bf16(v / math.sqrt(sum(t * t for t in v) / len(v) + eps) * f64(weight)))
 
     outs = []
     for xt in f64(x):

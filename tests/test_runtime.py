@@ -15,6 +15,7 @@ import pytest
 from test_features import BASE, CASES
 
 from moegen import runtime
+from moegen.weights import WeightError
 from moegen.arrays import ArrayError, View
 from moegen.plan import make_plan
 from moegen.spec import parse_spec
@@ -93,8 +94,8 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
     rng = np.random.default_rng()
     out = {}
     for name, (shape, dtype) in tensors(plan).items():
-        if dtype == "int32":
-            out[name] = rng.integers(0, plan.experts, shape, dtype=np.int32)
+        if dtype == "int32":  # tid2eid: k distinct experts per row
+            out[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
         elif dtype == "float32":
             out[name] = rng.standard_normal(shape).astype(np.float32)
         else:
@@ -158,6 +159,22 @@ def test_hash_layers_need_token_ids(fake_cuda):
         layer(x)
     with pytest.raises(ArrayError, match="token_ids: dtype int64, expected int32"):
         layer(x, token_ids=FakeArray((3,), "int64"))
+
+
+@pytest.mark.parametrize("row, why", [([3, 3, 1, 2, 4, 5], "distinct"), ([0, 1, 2, 3, 4, 64], r"in \[0, 64\)"),
+                                      ([-1, 1, 2, 3, 4, 5], r"in \[0, 64\)")])
+def test_hash_table_is_checked_at_load(fake_cuda, row, why):
+    """A table row the kernels could not use (an expert twice, one outside [0, E)) is refused
+    before anything reaches the device, naming the tensor and the row."""
+    drv, _ = fake_cuda
+    plan = make_plan(parse_spec({**BASE, **CASES["hash"]}, check_generated=False))
+    w = _host_weights(plan)
+    w["tid2eid"][17] = row
+    layer = _layer(plan)
+    before = dict(drv.live)  # the layer's workspace
+    with pytest.raises(WeightError, match=f"tid2eid: row 17 is .*{why}"):
+        layer.load_weights(w)
+    assert drv.live == before and not drv.copies, "a refused load left device memory or copies behind"
 
 
 def test_allreduce_runs_after_the_kernels_on_the_same_stream(fake_cuda):
