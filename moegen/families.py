@@ -23,6 +23,12 @@ MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is con
 PACK_THREADS = 256
 NORM_THREADS = 256
 ROUTE_THREADS = 1024  # the route kernel: one warp per token
+
+
+def route_threads(scored: int) -> int:
+    """Threads of the route kernel: 1024 (64 registers each) up to 512 scored experts; 512 past
+    that, where a lane's scores (scored / 32 values, twice) need more registers than 64."""
+    return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
 FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
@@ -200,7 +206,9 @@ def norm_kernel(c: Layer) -> Kernel | None:
                    base, (), "rmsnorm_body", "RMSNorm of x before the router and/or the experts")
 
 
-def _route_sig(c: Layer) -> Extra:
+def _route_sig(c: Layer, routes: bool = True) -> Extra:
+    """The route's parameters; routes=False: a router kernel that does not route takes only the
+    ones every layer has (its code, and so its name, is then the same for every routing rule)."""
     sig: Extra = (
         ("const float* __restrict__ corr_bias", "corr_bias", "w.corr_bias"),
         ("const float* __restrict__ router_bias", "router_bias", "w.router_bias"),
@@ -211,6 +219,8 @@ def _route_sig(c: Layer) -> Extra:
         ("int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
         ("int* __restrict__ slot_token", "slot_token", "ws.slot_token"), ("int n", "n", "n"),
     )
+    if not routes:
+        return sig
     if c.woi or c.hashed:
         sig += (("float* __restrict__ slot_w", "slot_w", "ws.slot_w"),)
     if c.hashed:  # the call's token ids and the static table [vocab, k] pick the experts
@@ -221,9 +231,10 @@ def _route_sig(c: Layer) -> Extra:
 
 def route_kernel(c: Layer, desc: str) -> Kernel:
     name = f"moe_route_{c.route_tag}_ks{c.ksplit}_n{c.nmax}_{c.spec.arch}"
-    targs = (str(c.e), str(c.rows_pad), str(c.k), str(c.ksplit), str(c.nmax), _b(c.gated), str(ROUTE_THREADS))
+    threads = route_threads(c.e + c.z)
+    targs = (str(c.e), str(c.rows_pad), str(c.k), str(c.ksplit), str(c.nmax), _b(c.gated), str(threads))
     base = (("const float* __restrict__ logits", "logits", "ws.logits"),)
-    return _kernel(name, "route", ROUTE_THREADS, targs, base, _route_sig(c), "route_kernel_body",
+    return _kernel(name, "route", threads, targs, base, _route_sig(c), "route_kernel_body",
                    f"route: {desc}; tokens grouped by expert")
 
 
@@ -235,7 +246,7 @@ def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
     targs = (*map(str, (c.h // 32, nt, WARPS, depth(1, nt), c.ksplit, c.rows_pad, c.nmax)), _b(fused), *rt)
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const bf16_t* __restrict__ x", "x", c.x_router),
             ("float* logits", "logits", "ws.logits"), ("int* route_done", "route_done", "ws.route_done"))
-    return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c), "router_logits_body",
+    return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c, fused), "router_logits_body",
                    f"router: {c.rows_pad} rows x {c.h}, K split {c.ksplit} ways, {8 * nt} tokens per pass"
                    + ("; the last block routes" if fused else ""))
 

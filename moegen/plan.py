@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import families as F
-from .families import DOWN_TILES, NORM_THREADS, ROUTE_THREADS, WARPS
+from .families import DOWN_TILES, NORM_THREADS, WARPS
 from .spec import Select, Spec
 
 FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
@@ -229,7 +229,7 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
     launches = (
         *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
-        *(() if fused else (Launch(route_name, (1, 1), ROUTE_THREADS, pdl=True),)),
+        *(() if fused else (Launch(route_name, (1, 1), F.route_threads(c.e + c.z), pdl=True),)),
         Launch(add(F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1), WARPS * 32,
                pdl=True),
         Launch(add(F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1), WARPS * 32,

@@ -219,6 +219,7 @@ struct RouteRule {
   static constexpr int ZERO = 0;
   static constexpr bool WEIGHT_ON_INPUT = false;
   static constexpr bool HASH = false;
+  static constexpr int VOCAB = 0;
   static constexpr bool EP = false;
   static constexpr int EP_LO = 0;
   static constexpr int EP_N = 160;
@@ -372,7 +373,8 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     float my_v = 0.0f;
     int my_e = 0;
     if (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
-      if (lane < K) my_e = tid2eid[(size_t)token_ids[tk] * K + lane];
+      // ids outside [0, VOCAB) read the nearest row (clamped): never a read past the table
+      if (lane < K) my_e = tid2eid[(size_t)min(max(token_ids[tk], 0), R::VOCAB - 1) * K + lane];
 #pragma unroll
       for (int i = 0; i < EPL; ++i) {
         const float cand = __shfl_sync(0xffffffffu, v[i], my_e & 31);
@@ -506,7 +508,7 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float*
   grid_dep_launch();
   route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n, slot_w);
+      slot_token, n, slot_w, token_ids, tid2eid);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
