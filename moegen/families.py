@@ -30,8 +30,9 @@ def route_threads(scored: int) -> int:
     that, where a lane's scores (scored / 32 values, twice) need more registers than 64."""
     return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
-A_FRAGMENTS = {"bf16": 2, "fp8_block": 1}  # 16-byte A fragments per lane, matrix and 32-wide chunk
-FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK"}
+# 16-byte A fragments per lane, matrix and 32-wide chunk (MXFP4: half of one, two matrices share it)
+A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "mxfp4": 0.5}
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "mxfp4": "MOE_W_MXFP4"}
 SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID",
                "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS", "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
 ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU",
@@ -47,7 +48,7 @@ def _b(v: bool) -> str:
 
 def depth(mats: int, nt: int, fmt: str = "bf16") -> int:
     """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
-    chunk_bytes = (mats * A_FRAGMENTS[fmt] + nt) * 512  # per warp: A fragments of MATS matrices, B of NT groups
+    chunk_bytes = int((mats * A_FRAGMENTS[fmt] + nt) * 512)  # per warp: A fragments of MATS matrices, B of NT groups
     return max(2, min(MAX_DEPTH, STATIC_SMEM // (WARPS * chunk_bytes)))
 
 

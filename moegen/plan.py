@@ -90,8 +90,12 @@ class PackedWeight:
     rows: int  # rows of each source matrix (per expert)
     rows_padded: int
     cols: int
-    format: str = "bf16"  # "fp8_block": e4m3 codes, 16 bytes per lane and chunk, fp32 128x128 block scales
-    scale_name: str = ""  # the device buffer of its scales [MATS sources][E][R/128][K/128] (FP8)
+    # "fp8_block": e4m3 codes, 16 bytes per lane and chunk, fp32 128x128 block scales;
+    # "mxfp4": e2m1 codes, 8 bytes per lane and chunk (two matrices per 16-byte fragment), E8M0 row scales
+    format: str = "bf16"
+    # the device buffer of its scales: FP8 [MATS sources][E][R/128][K/128] fp32;
+    # MXFP4 [E][tile][K/32 chunk][MATS][16 rows] E8M0 bytes
+    scale_name: str = ""
 
 
 @dataclass(frozen=True)

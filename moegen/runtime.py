@@ -202,11 +202,18 @@ class Layer:
         self._weights = packed
 
     def _pack_on_host(self, pw: Any, pieces: Mapping[str, list[tuple[str, Any]]]) -> tuple[np.ndarray, np.ndarray]:
-        """FP8 block weights: e4m3 codes packed into the tile layout, and their fp32 block scales."""
+        """Quantized weights, packed with NumPy: FP8 block e4m3 codes in the tile layout with their
+        fp32 block scales; MXFP4 e2m1 codes in the tile layout with their E8M0 scales by tile."""
         def whole(name: str) -> np.ndarray:
             parts = [to_host(obj, key) for key, obj in pieces[name]]
             return np.stack(parts) if len(parts) > 1 else parts[0]
 
+        if pw.format == "mxfp4":
+            from .formats import unpack_nibbles
+
+            nib = {src: unpack_nibbles(np.ascontiguousarray(whole(src)).view(np.uint8)) for src in pw.sources}
+            scale = {f"{src}_scale": whole(f"{src}_scale") for src in pw.sources}
+            return W.pack_mxfp4(pw, nib), W.mx_scale_tiles(pw, scale)
         codes = {src: np.ascontiguousarray(whole(src)).view(np.uint8) for src in pw.sources}
         scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
         return W.pack_fp8(pw, codes), W.fp8_scales(pw, scales)

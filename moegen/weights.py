@@ -81,7 +81,9 @@ def expected(plan: Plan) -> dict[str, tuple[int, ...]]:
 
 def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """Hugging Face name -> (shape, dtype) of every input tensor. FP8 block weights come as
-    e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form)."""
+    e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form);
+    MXFP4 weights as uint8 `<name>` [..., R, K/2] (two e2m1 codes a byte, the low nibble the even
+    element) with uint8 E8M0 `<name>_scale` [..., R, K/32] (GPT-OSS's `_blocks`, flattened, and `_scales`)."""
     h, e, i, si = plan.hidden, plan.local_experts, plan.inter, plan.shared_inter
     shapes = {"gate.weight": (plan.scored, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
@@ -101,6 +103,9 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
         elif fmt.get(name, "bf16") == "fp8_block":
             out[name] = (shape, "float8_e4m3fn")
             out[f"{name}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)), "float32")
+        elif fmt.get(name) == "mxfp4":  # e2m1 pairs, low nibble = even element; E8M0 per 32 along K
+            out[name] = ((*shape[:-1], shape[-1] // 2), "uint8")
+            out[f"{name}_scale"] = ((*shape[:-1], shape[-1] // 32), "uint8")
         else:
             out[name] = (shape, "bfloat16")
     return out
@@ -149,7 +154,7 @@ def _is_per_expert(key: str, plan: Plan) -> bool:
 
 def packed_nbytes(pw: PackedWeight) -> int:
     """Bytes of a packed weight: every 16-row tile of every source matrix, rows padded."""
-    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * (1 if pw.format == "fp8_block" else 2)
+    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * {"fp8_block": 2, "mxfp4": 1}.get(pw.format, 4) // 2
     return per_matrix if pw.interleaved else per_matrix * pw.mats
 
 
@@ -177,3 +182,49 @@ def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
 def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
     """The fp32 block scales of a packed FP8 weight: [MATS sources][E][R/128][K/128]."""
     return np.ascontiguousarray(np.stack([np.asarray(scales[f"{s}_scale_inv"], np.float32) for s in pw.sources]))
+
+
+def pack_mxfp4(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
+    """MXFP4 codes (uint8 0-15, one per element) in the kernels' layout, as bytes: the bf16
+    fragment order, each lane's k-step as 4 bytes (nibble i = fragment element i, low nibble
+    first), and the matrices of a tile paired so one 16-byte load per lane brings two:
+    [..., T, KC, MATS/2, 32 lanes, 2 matrices, 2 k-steps, 4 bytes]."""
+    p = _pack_one(pw, codes)  # [..., T, KC, MATS, 2 k-steps, 32 lanes, 8]
+    if p.shape[-4] % 2:
+        raise WeightError(f"{pw.name}: MXFP4 tiles pair their matrices; {p.shape[-4]} is odd")
+    p = (p[..., 0::2] | (p[..., 1::2] << 4)).astype(np.uint8)  # [..., MATS, 2, 32, 4 bytes]
+    lead = p.shape[:-4]
+    p = p.reshape(*lead, p.shape[-4] // 2, 2, 2, 32, 4)  # [..., pair, matrix, k-step, lane, 4]
+    return np.ascontiguousarray(np.moveaxis(p, -2, -4))  # [..., pair, lane, matrix, k-step, 4]
+
+
+def unpack_mxfp4(pw: PackedWeight, packed: np.ndarray) -> list[np.ndarray]:
+    """Inverse of pack_mxfp4: the codes of each source matrix [..., rows, K] (uint8 0-15)."""
+    p = np.moveaxis(packed, -4, -2)  # [..., pair, matrix, k-step, lane, 4]
+    lead = p.shape[:-5]
+    p = p.reshape(*lead, p.shape[-5] * 2, 2, 32, 4)
+    nib = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*lead, p.shape[-4], 2, 32, 8)  # [..., MATS, 2, 32, 8]
+    mats = unpack_tiles(nib, pw.mats, pw.rows_padded if pw.interleaved else pw.rows)
+    if pw.interleaved:  # the MATS tiles are consecutive 16-row tiles of the one source
+        full = np.stack([m.reshape(*m.shape[:-2], -1, 16, m.shape[-1]) for m in mats], axis=-3)
+        return [full.reshape(*full.shape[:-4], -1, full.shape[-1])[..., : pw.rows, :]]
+    return mats
+
+
+def mx_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The E8M0 row scales of a packed MXFP4 weight, by tile and chunk as the kernels read them:
+    [..., T, KC, MATS, 16] bytes. Padding rows get 127 (2^0); their codes are zero."""
+    src = [np.asarray(scales[f"{s}_scale"], np.uint8) for s in pw.sources]
+    r, kc = src[0].shape[-2:]
+    lead = src[0].shape[:-2]
+    padded = []
+    for a in src:
+        p = np.full((*lead, pw.rows_padded, kc), 127, np.uint8)
+        p[..., :r, :] = a
+        padded.append(p)
+    if pw.interleaved:  # one source; its consecutive 16-row tiles are the MATS matrices
+        t = padded[0].reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, kc)
+    else:
+        t = np.stack(padded, axis=-3).reshape(*lead, pw.mats, pw.rows_padded // 16, 16, kc)
+        t = np.moveaxis(t, -4, -3)  # [..., T, MATS, 16, KC]
+    return np.ascontiguousarray(np.moveaxis(t, -1, -3))  # [..., T, KC, MATS, 16]

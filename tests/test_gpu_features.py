@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_features import BASE, CASES
+from test_features import ALL, BASE
 from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights
 
 from moegen import reference
@@ -18,11 +18,11 @@ from moegen.spec import parse_spec
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ALL))
 def test_feature_matches_reference(case, tmp_path):
     import torch
 
-    spec = parse_spec({**BASE, **CASES[case]}, check_generated=False)
+    spec = parse_spec({**BASE, **ALL[case]}, check_generated=False)
     plan = make_plan(spec)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)

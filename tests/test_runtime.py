@@ -12,7 +12,7 @@ import cuda.core
 import ml_dtypes
 import numpy as np
 import pytest
-from test_features import BASE, CASES
+from test_features import ALL, BASE, CASES
 
 from moegen import runtime
 from moegen.weights import WeightError
@@ -94,7 +94,9 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
     rng = np.random.default_rng()
     out = {}
     for name, (shape, dtype) in tensors(plan).items():
-        if dtype == "int32":  # tid2eid: k distinct experts per row
+        if dtype == "uint8":  # MXFP4 codes and E8M0 scales
+            out[name] = rng.integers(0, 255, shape, dtype=np.uint8)
+        elif dtype == "int32":  # tid2eid: k distinct experts per row
             out[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
         elif dtype == "float32":
             out[name] = rng.standard_normal(shape).astype(np.float32)
@@ -119,7 +121,7 @@ SMALL = {
     "fp8": {"experts": {"count": 16, "top_k": 4, "intermediate_size": 256, "format": "fp8_block"},
             "shared_expert": {"intermediate_size": 256, "format": "fp8_block"}},
 }
-SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **CASES}.items()]
+SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **ALL}.items()]
 
 
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])

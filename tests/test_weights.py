@@ -75,3 +75,119 @@ def test_interleaved_packing_groups_consecutive_tiles():
     even, odd = unpack_tiles(packed, 2, 32)
     got = np.stack([even.reshape(3, 2, 16, 96), odd.reshape(3, 2, 16, 96)], axis=2).reshape(3, 64, 96)
     assert np.array_equal(got, w)
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+
+def _mx_pw(name: str, mats: int, interleaved: bool, experts: int, rows: int, pad: int, k: int):
+    from moegen.plan import PackedWeight
+
+    srcs = ("experts.gate_proj", "experts.up_proj") if not interleaved else ("experts.down_proj",)
+    return PackedWeight(name, srcs, mats, interleaved, experts, rows, pad, k, "mxfp4", "s")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mxfp4_pack_roundtrip(interleaved):
+    from moegen.weights import mx_scale_tiles, pack_mxfp4, unpack_mxfp4
+
+    rng = np.random.default_rng()
+    e, rows, k = 3, (40 if not interleaved else 64), 96
+    pw = _mx_pw("w", 2, interleaved, e, rows, 48 if not interleaved else 64, k)
+    codes = {s: rng.integers(0, 16, (e, rows, k), dtype=np.uint8) for s in pw.sources}
+    packed = pack_mxfp4(pw, codes)
+    tiles_ = pw.rows_padded // 16 // (2 if interleaved else 1)
+    assert packed.dtype == np.uint8 and packed.shape == (e, tiles_, k // 32, 1, 32, 2, 2, 4)
+    for src, back in zip(pw.sources, unpack_mxfp4(pw, packed)):
+        assert np.array_equal(back, codes[src])
+    scales = {f"{s}_scale": rng.integers(100, 140, (e, rows, k // 32), dtype=np.uint8) for s in pw.sources}
+    tiles = mx_scale_tiles(pw, scales)
+    assert tiles.shape == (e, pw.rows_padded // 16 // (2 if interleaved else 1), k // 32, 2, 16)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i+2:4i] of {b, a}, or with
+    sel bit 4i+3 set, that byte's top bit replicated."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (sel >> 4 * i) & 0xF
+        v = src[s & 7]
+        if s & 8:
+            v = 0xFF if v & 0x80 else 0
+        out |= v << 8 * i
+    return out
+
+
+def _e2m1x8_to_bf16x8(w: int) -> list[int]:
+    """A transcription of e2m1x8_to_bf16x8 in templates/common.cuh.j2, operation by operation."""
+    m = 0xFFFFFFFF
+    hi0, hi1, lo0, lo1 = 0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000
+    sel0, sel1 = w & 0x7777, (w >> 16) & 0x7777
+    hb0, lb0, hb1, lb1 = _prmt(hi0, hi1, sel0), _prmt(lo0, lo1, sel0), _prmt(hi0, hi1, sel1), _prmt(lo0, lo1, sel1)
+    w4 = (w << 4) & m
+    return [_prmt(lb0, hb0, 0x5140) | (_prmt(w4, w, 0xCC88) & 0x80008000),
+            _prmt(lb0, hb0, 0x7362) | (_prmt(w4, w, 0xDD99) & 0x80008000),
+            _prmt(lb1, hb1, 0x5140) | (_prmt(w4, w, 0xEEAA) & 0x80008000),
+            _prmt(lb1, hb1, 0x7362) | (_prmt(w4, w, 0xFFBB) & 0x80008000)]
+
+
+def _bf16x2(r: int) -> tuple[float, float]:
+    h = np.array([r & 0xFFFF, r >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    return float(h[0]), float(h[1])
+
+
+def test_e2m1_register_conversion_is_exact_for_every_code_in_every_position():
+    """Every e2m1 code (both zeros, both signs) in each of the 8 nibbles, among random others,
+    comes out as its ml_dtypes value in the right half of the right register."""
+    from moegen.formats import E2M1_VALUES
+
+    rng = np.random.default_rng()
+    for pos in range(8):
+        for code in range(16):
+            nib = rng.integers(0, 16, 8)
+            nib[pos] = code
+            w = int(sum(int(v) << 4 * i for i, v in enumerate(nib)))
+            vals = [v for r in _e2m1x8_to_bf16x8(w) for v in _bf16x2(r)]
+            want = E2M1_VALUES[nib].astype(np.float64)
+            assert np.array_equal(vals, want) and np.array_equal(np.signbit(vals), np.signbit(want)), (pos, code)
+
+
+def test_mxfp4_tile_product_as_the_kernel_reads_it():
+    """The packed bytes and scale tiles, read lane by lane as TileGemv does for MXFP4 (pairs of
+    matrices per 16-byte fragment, register conversion, m16n8k16 fragments, the row's E8M0 scale
+    per chunk), give the dequantized weights times x: blocks not aligned to 128, scales at the
+    extremes of their useful range, every code."""
+    from moegen.formats import E2M1_VALUES, e8m0_decode
+    from moegen.weights import mx_scale_tiles, pack_mxfp4
+
+    rng = np.random.default_rng()
+    e, rows, pad, k = 2, 24, 32, 96  # K: three 32-blocks, not a multiple of 128; rows padded
+    pw = _mx_pw("w13", 2, False, e, rows, pad, k)
+    codes = {s: rng.integers(0, 16, (e, rows, k), dtype=np.uint8) for s in pw.sources}
+    sc = {f"{s}_scale": rng.integers(120, 134, (e, rows, k // 32), dtype=np.uint8) for s in pw.sources}
+    sc["experts.gate_proj_scale"][0, 0, 0], sc["experts.up_proj_scale"][1, 3, 2] = 1, 250  # 2^-126, 2^123
+    packed, tiles = pack_mxfp4(pw, codes), mx_scale_tiles(pw, sc)
+    x = rng.standard_normal((3, k))
+    words = packed.view("<u4")[..., 0]  # [E, T, KC, pair, lane, matrix, k-step]: nibble i = element i
+    for ex in range(e):
+        for tile in range(pad // 16):
+            d = np.zeros((2, 16, 3))
+            for c in range(k // 32):
+                for mt in range(2):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        s_lo, s_hi = e8m0_decode(tiles[ex, tile, c, mt, [g, g + 8]]).astype(np.float64)
+                        for s in range(2):
+                            a = [v for r in _e2m1x8_to_bf16x8(int(words[ex, tile, c, 0, lane, mt, s]))
+                                 for v in _bf16x2(r)]
+                            b = x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4]
+                            d[mt, g] += s_lo * (a[0] * b[:, 0] + a[1] * b[:, 1] + a[4] * b[:, 2] + a[5] * b[:, 3])
+                            d[mt, g + 8] += s_hi * (a[2] * b[:, 0] + a[3] * b[:, 1] + a[6] * b[:, 2] + a[7] * b[:, 3])
+            for mt, src in enumerate(pw.sources):
+                w = E2M1_VALUES[codes[src][ex]].astype(np.float64)
+                w *= np.repeat(e8m0_decode(sc[f"{src}_scale"][ex]).astype(np.float64), 32, axis=-1)
+                r0, r1 = tile * 16, min(tile * 16 + 16, rows)
+                want = np.zeros((16, 3))
+                want[: r1 - r0] = w[r0:r1] @ x.T
+                np.testing.assert_allclose(d[mt], want, rtol=1e-12, atol=1e-300)

@@ -87,8 +87,38 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 // other tokens.
 // Weight formats of the packed tiles: bf16 (2 fragments of 16 bytes per lane and chunk) or FP8
 // e4m3 with one fp32 scale per 128x128 block (1 fragment: both k-steps' 16 codes).
+// MXFP4 (OCP MX: e2m1 codes, one E8M0 scale per row and 32-wide K block): 8 bytes per lane,
+// matrix and chunk, so one 16-byte fragment carries a pair of matrices.
 #define MOE_W_BF16 0
 #define MOE_W_FP8_BLOCK 1
+#define MOE_W_MXFP4 2
+
+// Eight e2m1 codes (nibble i = element i of an A fragment's k-step, low nibble first) as the four
+// bf16x2 registers of that fragment, exactly: every e2m1 value is a bf16 value. Byte tables
+// through prmt: the high and the low byte of the bf16 of each magnitude code 0-7 (0, .5, 1, 1.5,
+// 2, 3, 4, 6), then the sign bit of each nibble into bit 15 of its half.
+MOE_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+MOE_DEVICE uint4 e2m1x8_to_bf16x8(u32 w) {
+  constexpr u32 HI0 = 0x3F3F3F00u, HI1 = 0x40404040u, LO0 = 0xC0800000u, LO1 = 0xC0804000u;
+  const u32 sel0 = w & 0x7777u, sel1 = (w >> 16) & 0x7777u;  // magnitudes of elements 0-3, 4-7
+  const u32 hb0 = prmt(HI0, HI1, sel0), lb0 = prmt(LO0, LO1, sel0);
+  const u32 hb1 = prmt(HI0, HI1, sel1), lb1 = prmt(LO0, LO1, sel1);
+  const u32 w4 = w << 4;  // byte k's top bit: the sign of nibble 2k (w4) and of nibble 2k+1 (w)
+  uint4 r;
+  r.x = prmt(lb0, hb0, 0x5140u) | (prmt(w4, w, 0xCC88u) & 0x80008000u);
+  r.y = prmt(lb0, hb0, 0x7362u) | (prmt(w4, w, 0xDD99u) & 0x80008000u);
+  r.z = prmt(lb1, hb1, 0x5140u) | (prmt(w4, w, 0xEEAAu) & 0x80008000u);
+  r.w = prmt(lb1, hb1, 0x7362u) | (prmt(w4, w, 0xFFBBu) & 0x80008000u);
+  return r;
+}
+// E8M0 scale byte: 2^(b - 127); 0 is 2^-127 (an fp32 subnormal), 255 is NaN.
+MOE_DEVICE float e8m0_to_f32(u32 b) {
+  return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
+}
 
 // Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
 // bf16 value. cvt.rn.f16x2.e4m3x2 puts the low byte's value in the low half.
@@ -101,10 +131,18 @@ MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
   return pack_bf16x2(lo, hi);
 }
 
+// The MXFP4 row scales of packed tile `tile` ([KC][MATS][16] bytes each), as TileGemv takes them.
+MOE_DEVICE const float* mx_scales(const float* base, size_t tile, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(base) + tile * kc * mats * 16);
+}
+
 template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
 struct TileGemv {
-  static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk
-  static constexpr int FRAGS = MATS * AF + NT;           // 16-byte fragments per lane per chunk
+  static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk (FP8, BF16)
+  // 16-byte A fragments per lane and chunk, all matrices: MXFP4 packs two matrices in one.
+  static constexpr int AU = FMT == MOE_W_MXFP4 ? MATS / 2 : MATS * AF;
+  static_assert(FMT != MOE_W_MXFP4 || MATS % 2 == 0, "MXFP4 tiles pair their matrices");
+  static constexpr int FRAGS = AU + NT;  // 16-byte fragments per lane per chunk
   static constexpr int RING_U4 = WARPS * DEPTH * FRAGS * 32;
   static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
   static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
@@ -112,6 +150,7 @@ struct TileGemv {
   // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
   // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
   // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
+  // MXFP4: scale (bytes) [KC][MATS][16] holds this tile's E8M0 row scales, one per chunk.
   // smem: SMEM_BYTES, 16-byte aligned; on return it holds the per-warp partial sums.
   static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
                              const int* __restrict__ tok, int n0, int m, uint4* smem,
@@ -142,9 +181,9 @@ struct TileGemv {
         const int c = warp + i * WARPS;
         uint4* st = ring + (i % DEPTH) * FRAGS * 32;
 #pragma unroll
-        for (int f = 0; f < MATS * AF; ++f) cp_async16(st + f * 32, a + ((size_t)c * MATS * AF + f) * 32 + lane, true);
+        for (int f = 0; f < AU; ++f) cp_async16(st + f * 32, a + ((size_t)c * AU + f) * 32 + lane, true);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) cp_async16(st + (MATS * AF + j) * 32, xr[j] + c * 32, live[j]);
+        for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
       }
       cp_async_commit();  // an empty group past the end keeps the wait count uniform
     };
@@ -154,11 +193,11 @@ struct TileGemv {
       issue(i + DEPTH - 1);
       cp_async_wait<DEPTH - 1>();
       const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
-      uint4 av[MATS * AF], bv[NT];
+      uint4 av[AU], bv[NT];
 #pragma unroll
-      for (int f = 0; f < MATS * AF; ++f) av[f] = st[f * 32];
+      for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) bv[j] = st[(MATS * AF + j) * 32];
+      for (int j = 0; j < NT; ++j) bv[j] = st[(AU + j) * 32];
       if (FMT == MOE_W_BF16) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -167,6 +206,24 @@ struct TileGemv {
             mma_bf16(acc[j][mt], av[mt * AF], bv[j].x, bv[j].y);
             mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
           }
+      } else if (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
+        const unsigned char* sb = reinterpret_cast<const unsigned char*>(scale) + (size_t)(warp + i * WARPS) * MATS * 16;
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt / 2];  // matrix 2p: k-steps in x, y; matrix 2p+1: in z, w
+          const uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
+          const float s_lo = e8m0_to_f32(__ldg(sb + mt * 16 + g)), s_hi = e8m0_to_f32(__ldg(sb + mt * 16 + g + 8));
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, bv[j].x, bv[j].y);
+            mma_bf16(tmp, k1, bv[j].z, bv[j].w);
+            acc[j][mt][0] = fmaf(s_lo, tmp[0], acc[j][mt][0]);  // rows g (0, 1) and g + 8 (2, 3)
+            acc[j][mt][1] = fmaf(s_lo, tmp[1], acc[j][mt][1]);
+            acc[j][mt][2] = fmaf(s_hi, tmp[2], acc[j][mt][2]);
+            acc[j][mt][3] = fmaf(s_hi, tmp[3], acc[j][mt][3]);
+          }
+        }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
         const int c = warp + i * WARPS;
 #pragma unroll
@@ -566,6 +623,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
 // Blocks past the routed slots compute the shared expert over all tokens.
 // FP8: s13 holds the gate then the up scales [2][E][I/128][H/128] (ss13: [2][IS/128][H/128]).
+// MXFP4: s13 holds E8M0 bytes [E][tile][chunk][gate, up][16 rows] (ss13 likewise, without E).
 template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
 MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
                              const float* __restrict__ s13, const float* __restrict__ ss13,
@@ -587,8 +645,9 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     grid_dep_launch();
     if (slot >= *num_slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
-    const uint4* a = w13 + ((size_t)e * TI + tile) * KC * 2 * GR::AF * 32;
-    const float* sc = FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
+    const uint4* a = w13 + ((size_t)e * TI + tile) * KC * GR::AU * 32;
+    const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s13, (size_t)e * TI + tile, KC, 2)
+                      : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
       GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, E * (I / 128) * KB);
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
@@ -613,8 +672,9 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     // The shared expert reads only x and its weights: it need not wait for the routing.
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
-    const uint4* a = ws13 + (size_t)tile * KC * 2 * GS::AF * 32;
-    const float* sc = FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
+    const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
+    const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss13, tile, KC, 2)
+                      : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
       GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, (IS / 128) * KB);
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
@@ -636,6 +696,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in order, so the
 // sum does not depend on which block came last.
 // FP8: s2 [E][H/128][I/128], ss2 [H/128][IS/128]; a block's TPB tiles share one 128-row block.
+// MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
 template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
           int FMT, int FMTS>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
@@ -664,8 +725,9 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     group = blockIdx.x % TH;
     if (slot >= slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
-    const uint4* a = w2 + ((size_t)e * TH + group) * KC * TPB * GR::AF * 32;
-    const float* sc = FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
+    const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
+    const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s2, (size_t)e * TH + group, KC, TPB)
+                      : FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
     const bf16_t* xa = act + (size_t)begin * KC * 32;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
       GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0);
@@ -681,8 +743,9 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     }
   } else {
     group = blockIdx.x - routed_blocks;
-    const uint4* a = ws2 + (size_t)group * KCS * TPB * GS::AF * 32;
-    const float* sc = FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
+    const uint4* a = ws2 + (size_t)group * KCS * GS::AU * 32;
+    const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss2, group, KCS, TPB)
+                      : FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
       GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0);
       for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
