@@ -189,9 +189,12 @@ def _mxfp4(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
         names += ["gate_up_proj_bias", "down_proj_bias"]
     x = load_gpt_oss_experts({n: t.read(f"experts.{n}", None, "MXFP4 experts") for n in names},
                              bias=spec.experts.bias)
-    bf16 = ml_dtypes.bfloat16
-    out = {f"experts.{p}_proj": m.dequantize(np.float32).astype(bf16) for p, m in
-           (("gate", x.gate), ("up", x.up), ("down", x.down))}
+    mats = (("gate", x.gate), ("up", x.up), ("down", x.down))
+    if spec.experts.format.value == "mxfp4":  # kept as stored: codes and E8M0 scales, de-interleaved
+        out = {f"experts.{p}_proj": m.packed for p, m in mats}
+        out.update({f"experts.{p}_proj_scale": m.scale for p, m in mats})
+    else:  # a BF16 spec of an MXFP4 checkpoint: the exact values, each a bf16 value
+        out = {f"experts.{p}_proj": m.dequantize(np.float32).astype(ml_dtypes.bfloat16) for p, m in mats}
     if spec.experts.bias:
         out.update({"experts.gate_proj_bias": x.gate_bias, "experts.up_proj_bias": x.up_bias,
                     "experts.down_proj_bias": x.down_bias})

@@ -369,6 +369,42 @@ def test_both_layouts_load_to_the_canonical_names(cfg: dict, layout: str, shards
         assert got[k].dtype == np.dtype(BF16) and np.array_equal(got[k].view(np.uint16), w[k].view(np.uint16)), k
 
 
+def test_mxfp4_checkpoint_keeps_its_codes_for_an_mxfp4_spec(tmp_path: Path):
+    """GPT-OSS as shipped: *_blocks / *_scales with gate and up rows interleaved. An MXFP4 spec
+    gets the codes and E8M0 scales as stored (de-interleaved, nothing re-quantized); a BF16
+    spec of the same checkpoint gets their exact values."""
+    from moegen.quant import quantize_mxfp4
+
+    cfg = {**TINY_OSS, "hidden_size": 64, "intermediate_size": 32}
+    mx = import_config(write_config(tmp_path, {**cfg, "quantization_config": {"quant_method": "mxfp4"}}), layer=1).spec
+    assert mx.experts.format.value == "mxfp4"
+    rng = np.random.default_rng()
+    e, i, h = 6, 32, 64
+    q = {p: quantize_mxfp4(rng.standard_normal(shape).astype(np.float32))
+         for p, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i)))}
+    pre = "model.layers.1.mlp."
+
+    def interleave(a, b):
+        return np.stack([a, b], axis=2).reshape(e, 2 * i, *a.shape[2:])
+
+    tensors = {f"{pre}router.weight": rng.standard_normal((e, h)).astype(BF16),
+               f"{pre}router.bias": rng.standard_normal(e).astype(BF16),
+               f"{pre}experts.gate_up_proj_blocks": interleave(q["gate"].blocks(), q["up"].blocks()),
+               f"{pre}experts.gate_up_proj_scales": interleave(q["gate"].scale, q["up"].scale),
+               f"{pre}experts.down_proj_blocks": q["down"].blocks(), f"{pre}experts.down_proj_scales": q["down"].scale,
+               f"{pre}experts.gate_up_proj_bias": rng.standard_normal((e, 2 * i)).astype(BF16),
+               f"{pre}experts.down_proj_bias": rng.standard_normal((e, h)).astype(BF16)}
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    got = load_layer(tmp_path, mx, 1)
+    for p in ("gate", "up", "down"):
+        assert np.array_equal(got[f"experts.{p}_proj"], q[p].packed), p
+        assert np.array_equal(got[f"experts.{p}_proj_scale"], q[p].scale), p
+    bf = import_config(write_config(tmp_path, cfg), layer=1).spec
+    got = load_layer(tmp_path, bf, 1)
+    for p in ("gate", "up", "down"):
+        assert np.array_equal(got[f"experts.{p}_proj"].astype(np.float64), q[p].dequantize()), p
+
+
 def test_only_the_layers_shards_are_read(tmp_path: Path):
     """A shard that holds none of layer 1's tensors is never opened: corrupt it and load anyway."""
     spec = import_config(write_config(tmp_path, QWEN2), layer=1).spec
