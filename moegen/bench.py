@@ -97,7 +97,7 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith("_scale_inv"):
             out[name] = rng.uniform(0.5, 1.0, shape).astype(np.float32) / 448.0
-        elif dtype == "uint8":  # MXFP4: random e2m1 pairs; E8M0 scales near 1/sqrt(K)
+        elif dtype == "uint8":  # FP4: random e2m1 pairs; MXFP4's E8M0 scales near 1/sqrt(K)
             k = shape[-1] * (2 if not name.endswith("_scale") else 32)
             lo = 127 - int(math.log2(math.sqrt(k))) - 3
             out[name] = (rng.integers(lo, lo + 2, shape) if name.endswith("_scale")
@@ -139,6 +139,8 @@ def floor_bytes(plan: Plan, n: int, distinct_experts: int) -> int:
             return rows * cols + 4 * -(-rows // 128) * -(-cols // 128)
         if f == "mxfp4":  # half a byte per weight, one E8M0 byte per 32
             return rows * cols // 2 + rows * cols // 32
+        if f == "nvfp4":  # half a byte per weight, one e4m3 byte per 16
+            return rows * cols // 2 + rows * cols // 16
         return 2 * rows * cols
 
     experts = distinct_experts * (2 * matrix(i, h, fmt["w13"]) + matrix(h, i, fmt["w2"]))

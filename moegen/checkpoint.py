@@ -201,12 +201,31 @@ def _mxfp4(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
     return out
 
 
+def _nvfp4(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> tuple[np.ndarray, ...]:
+    """ModelOpt NVFP4 `{prefix}.weight` / `.weight_scale` / `.weight_scale_2` as stored (checked by
+    moegen.quant.load_nvfp4): codes [R, K/2], e4m3 scales [R, K/16], scale_2 (a scalar)."""
+    from .quant import load_nvfp4
+
+    parts = {f"{prefix}.{k}": t.read(f"{prefix}.{k}", None, what) for k in ("weight", "weight_scale", "weight_scale_2")}
+    w = load_nvfp4(parts, f"{prefix}.")
+    if (w.packed.shape[0], w.k) != shape:
+        full = t.full[f"{prefix}.weight"]
+        raise ShapeError(f"{t.files[full]}: {full} holds a [{w.packed.shape[0]}, {w.k}] NVFP4 matrix, expected "
+                         f"{list(shape)} ({what}: uint8 [{shape[0]}, {shape[1] // 2}])")
+    return w.packed, w.scale, w.scale_2[0]
+
+
 def _per_expert(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
     e, i, h = spec.experts.count, spec.experts.intermediate_size, spec.hidden_size
     out = {}
     for proj, aliases in _PROJ.items():
         shape = (h, i) if proj == "down_proj" else (i, h)
         name = next((a for a in aliases if f"experts.0.{a}.weight" in t.full), aliases[0])
+        if spec.experts.format.value == "nvfp4":  # kept as stored, gate and up each with its scale_2
+            parts = [_nvfp4(t, f"experts.{x}.{name}", shape, f"expert {x} {proj}") for x in range(e)]
+            for suffix, j in (("", 0), ("_scale", 1), ("_scale_2", 2)):
+                out[f"experts.{proj}{suffix}"] = np.stack([p[j] for p in parts])
+            continue
         mats = [t.read(f"experts.{x}.{name}.weight", shape, f"expert {x} {proj}") for x in range(e)]
         out[f"experts.{proj}"] = np.stack(mats)
         if f"experts.0.{name}.weight_scale_inv" in t.full:  # FP8 block checkpoints (format a)
@@ -223,6 +242,11 @@ def _shared(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
     for proj, aliases in _PROJ.items():
         name = next((a for a in aliases if f"{prefix}.{a}.weight" in t.full), aliases[0])
         shape = (h, s) if proj == "down_proj" else (s, h)
+        if spec.shared_expert.format.value == "nvfp4":
+            w, sc, s2 = _nvfp4(t, f"{prefix}.{name}", shape, f"shared expert {proj}")
+            out.update({f"shared_expert.{proj}": w, f"shared_expert.{proj}_scale": sc,
+                        f"shared_expert.{proj}_scale_2": s2})
+            continue
         out[f"shared_expert.{proj}"] = t.read(f"{prefix}.{name}.weight", shape, f"shared expert {proj}")
         if f"{prefix}.{name}.weight_scale_inv" in t.full:
             out[f"shared_expert.{proj}_scale_inv"] = t.read(f"{prefix}.{name}.weight_scale_inv", None, "FP8 scales")

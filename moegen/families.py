@@ -30,9 +30,9 @@ def route_threads(scored: int) -> int:
     that, where a lane's scores (scored / 32 values, twice) need more registers than 64."""
     return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
-# 16-byte A fragments per lane, matrix and 32-wide chunk (MXFP4: half of one, two matrices share it)
-A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "mxfp4": 0.5}
-FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "mxfp4": "MOE_W_MXFP4"}
+# 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
+A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}
 SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID",
                "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS", "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
 ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU",

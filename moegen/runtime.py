@@ -203,17 +203,19 @@ class Layer:
 
     def _pack_on_host(self, pw: Any, pieces: Mapping[str, list[tuple[str, Any]]]) -> tuple[np.ndarray, np.ndarray]:
         """Quantized weights, packed with NumPy: FP8 block e4m3 codes in the tile layout with their
-        fp32 block scales; MXFP4 e2m1 codes in the tile layout with their E8M0 scales by tile."""
+        fp32 block scales; MXFP4 and NVFP4 e2m1 codes in the tile layout with their scales by tile."""
         def whole(name: str) -> np.ndarray:
             parts = [to_host(obj, key) for key, obj in pieces[name]]
             return np.stack(parts) if len(parts) > 1 else parts[0]
 
-        if pw.format == "mxfp4":
+        if pw.format in ("mxfp4", "nvfp4"):
             from .formats import unpack_nibbles
 
             nib = {src: unpack_nibbles(np.ascontiguousarray(whole(src)).view(np.uint8)) for src in pw.sources}
-            scale = {f"{src}_scale": whole(f"{src}_scale") for src in pw.sources}
-            return W.pack_mxfp4(pw, nib), W.mx_scale_tiles(pw, scale)
+            extra = ("_scale", "_scale_2") if pw.format == "nvfp4" else ("_scale",)
+            scale = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in extra}
+            tiles = W.nv_scale_tiles if pw.format == "nvfp4" else W.mx_scale_tiles
+            return W.pack_fp4(pw, nib), tiles(pw, scale)
         codes = {src: np.ascontiguousarray(whole(src)).view(np.uint8) for src in pw.sources}
         scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
         return W.pack_fp8(pw, codes), W.fp8_scales(pw, scales)

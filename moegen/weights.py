@@ -83,7 +83,9 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """Hugging Face name -> (shape, dtype) of every input tensor. FP8 block weights come as
     e4m3 codes with their fp32 `<name>_scale_inv` [..., ceil(R/128), ceil(K/128)] (DeepSeek's form);
     MXFP4 weights as uint8 `<name>` [..., R, K/2] (two e2m1 codes a byte, the low nibble the even
-    element) with uint8 E8M0 `<name>_scale` [..., R, K/32] (GPT-OSS's `_blocks`, flattened, and `_scales`)."""
+    element) with uint8 E8M0 `<name>_scale` [..., R, K/32] (GPT-OSS's `_blocks`, flattened, and `_scales`);
+    NVFP4 weights as the same uint8 `<name>` with e4m3 `<name>_scale` [..., R, K/16] and fp32
+    `<name>_scale_2` [...] (ModelOpt's `weight`, `weight_scale`, `weight_scale_2`)."""
     h, e, i, si = plan.hidden, plan.local_experts, plan.inter, plan.shared_inter
     shapes = {"gate.weight": (plan.scored, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
@@ -106,6 +108,10 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
         elif fmt.get(name) == "mxfp4":  # e2m1 pairs, low nibble = even element; E8M0 per 32 along K
             out[name] = ((*shape[:-1], shape[-1] // 2), "uint8")
             out[f"{name}_scale"] = ((*shape[:-1], shape[-1] // 32), "uint8")
+        elif fmt.get(name) == "nvfp4":  # e2m1 pairs; e4m3 per 16 along K; fp32 scale_2 per matrix
+            out[name] = ((*shape[:-1], shape[-1] // 2), "uint8")
+            out[f"{name}_scale"] = ((*shape[:-1], shape[-1] // 16), "float8_e4m3fn")
+            out[f"{name}_scale_2"] = (shape[:-2], "float32")
         else:
             out[name] = (shape, "bfloat16")
     return out
@@ -154,7 +160,7 @@ def _is_per_expert(key: str, plan: Plan) -> bool:
 
 def packed_nbytes(pw: PackedWeight) -> int:
     """Bytes of a packed weight: every 16-row tile of every source matrix, rows padded."""
-    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * {"fp8_block": 2, "mxfp4": 1}.get(pw.format, 4) // 2
+    per_matrix = max(pw.experts, 1) * pw.rows_padded * pw.cols * {"fp8_block": 2, "mxfp4": 1, "nvfp4": 1}.get(pw.format, 4) // 2
     return per_matrix if pw.interleaved else per_matrix * pw.mats
 
 
@@ -184,8 +190,8 @@ def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray
     return np.ascontiguousarray(np.stack([np.asarray(scales[f"{s}_scale_inv"], np.float32) for s in pw.sources]))
 
 
-def pack_mxfp4(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
-    """MXFP4 codes (uint8 0-15, one per element) in the kernels' layout, as bytes: the bf16
+def pack_fp4(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
+    """FP4 (MXFP4, NVFP4) codes (uint8 0-15, one per element) in the kernels' layout, as bytes: the bf16
     fragment order, each lane's k-step as 4 bytes (nibble i = fragment element i, low nibble
     first), and the matrices of a tile paired so one 16-byte load per lane brings two:
     [..., T, KC, MATS/2, 32 lanes, 2 matrices, 2 k-steps, 4 bytes]."""
@@ -198,8 +204,8 @@ def pack_mxfp4(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(p, -2, -4))  # [..., pair, lane, matrix, k-step, 4]
 
 
-def unpack_mxfp4(pw: PackedWeight, packed: np.ndarray) -> list[np.ndarray]:
-    """Inverse of pack_mxfp4: the codes of each source matrix [..., rows, K] (uint8 0-15)."""
+def unpack_fp4(pw: PackedWeight, packed: np.ndarray) -> list[np.ndarray]:
+    """Inverse of pack_fp4: the codes of each source matrix [..., rows, K] (uint8 0-15)."""
     p = np.moveaxis(packed, -4, -2)  # [..., pair, matrix, k-step, lane, 4]
     lead = p.shape[:-5]
     p = p.reshape(*lead, p.shape[-5] * 2, 2, 32, 4)
@@ -211,20 +217,43 @@ def unpack_mxfp4(pw: PackedWeight, packed: np.ndarray) -> list[np.ndarray]:
     return mats
 
 
-def mx_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The E8M0 row scales of a packed MXFP4 weight, by tile and chunk as the kernels read them:
-    [..., T, KC, MATS, 16] bytes. Padding rows get 127 (2^0); their codes are zero."""
-    src = [np.asarray(scales[f"{s}_scale"], np.uint8) for s in pw.sources]
-    r, kc = src[0].shape[-2:]
+def _row_scale_tiles(pw: PackedWeight, src: Sequence[np.ndarray], pad: int, per_chunk: int) -> np.ndarray:
+    """Per-row scale bytes [..., R, KC * per_chunk] of each source, by tile and chunk:
+    [..., T, KC, MATS, per_chunk, 16]; padding rows get `pad` (their codes are zero)."""
+    r, nb = src[0].shape[-2:]
     lead = src[0].shape[:-2]
     padded = []
     for a in src:
-        p = np.full((*lead, pw.rows_padded, kc), 127, np.uint8)
+        p = np.full((*lead, pw.rows_padded, nb), pad, np.uint8)
         p[..., :r, :] = a
-        padded.append(p)
+        padded.append(p.reshape(*lead, pw.rows_padded, nb // per_chunk, per_chunk))
     if pw.interleaved:  # one source; its consecutive 16-row tiles are the MATS matrices
-        t = padded[0].reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, kc)
+        t = padded[0].reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, nb // per_chunk, per_chunk)
     else:
-        t = np.stack(padded, axis=-3).reshape(*lead, pw.mats, pw.rows_padded // 16, 16, kc)
-        t = np.moveaxis(t, -4, -3)  # [..., T, MATS, 16, KC]
-    return np.ascontiguousarray(np.moveaxis(t, -1, -3))  # [..., T, KC, MATS, 16]
+        t = np.stack(padded, axis=-4).reshape(*lead, pw.mats, pw.rows_padded // 16, 16, nb // per_chunk, per_chunk)
+        t = np.moveaxis(t, -5, -4)  # [..., T, MATS, 16, KC, per_chunk]
+    nl = t.ndim - 5  # t: [..., T, MATS, 16, KC, per_chunk] -> [..., T, KC, MATS, per_chunk, 16]
+    return np.ascontiguousarray(t.transpose(*range(nl), nl, nl + 3, nl + 1, nl + 4, nl + 2))
+
+
+def mx_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The E8M0 row scales of a packed MXFP4 weight, by tile and chunk as the kernels read them:
+    [..., T, KC, MATS, 16] bytes. Padding rows get 127 (2^0)."""
+    src = [np.asarray(scales[f"{s}_scale"], np.uint8) for s in pw.sources]
+    return _row_scale_tiles(pw, src, 127, 1)[..., 0, :]
+
+
+def nv_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The scales of a packed NVFP4 weight as the kernels read them, one record per tile: the e4m3
+    row scales [KC][MATS][2 blocks of 16 along K][16 rows] (bytes), then the MATS fp32 scale_2 of
+    the tile's matrices in 16 bytes: uint8 [..., T, KC * MATS * 32 + 16]."""
+    src = [np.ascontiguousarray(scales[f"{s}_scale"]).view(np.uint8) for s in pw.sources]
+    tiles = _row_scale_tiles(pw, src, 0, 2)  # [..., T, KC, MATS, 2, 16]
+    lead = tiles.shape[:-4]  # [..., T]
+    s2 = [np.asarray(scales[f"{s}_scale_2"], np.float32) for s in pw.sources]
+    head = np.zeros((*lead, 4), np.float32)  # [..., T, 4]: MATS values, zero padding
+    for mt in range(pw.mats):
+        v = s2[0 if pw.interleaved else mt]
+        head[..., mt] = v[..., None] if v.ndim else v
+    flat = tiles.reshape(*lead, -1)
+    return np.ascontiguousarray(np.concatenate([flat, head.view(np.uint8)], axis=-1))

@@ -50,6 +50,9 @@ PENDING = {
     # GPT-OSS / OCP MX: e2m1 codes with an E8M0 scale per row and 32 along K, routed and shared
     "mxfp4": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 512, "format": "mxfp4"},
               "shared_expert": {"intermediate_size": 512, "format": "mxfp4"}},
+    # ModelOpt NVFP4: e2m1 codes, an e4m3 scale per row and 16 along K, an fp32 scale_2 per matrix
+    "nvfp4": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 512, "format": "nvfp4"},
+              "shared_expert": {"intermediate_size": 512, "format": "nvfp4"}},
 }
 ALL = {**CASES, **PENDING}
 
@@ -101,6 +104,11 @@ def test_feature_weights_are_asked_for():
     assert mx["experts.gate_proj_scale"] == ((32, 512, 32), "uint8")  # [E, I, H/32] E8M0
     assert mx["experts.down_proj"] == ((32, 1024, 256), "uint8")
     assert mx["shared_expert.down_proj_scale"] == ((1024, 16), "uint8")
+    nv = tensors(make_plan(parse_spec({**BASE, **PENDING["nvfp4"]}, check_generated=False)))
+    assert nv["experts.up_proj"] == ((32, 512, 512), "uint8")
+    assert nv["experts.up_proj_scale"] == ((32, 512, 64), "float8_e4m3fn")  # [E, I, H/16]
+    assert nv["experts.up_proj_scale_2"] == ((32,), "float32")  # one per expert matrix
+    assert nv["shared_expert.down_proj_scale_2"] == ((), "float32")
 
 
 def test_expert_parallel_partition():

@@ -22,7 +22,7 @@ from moegen import reference
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
 from moegen.plan import Plan, make_plan
-from moegen.quant import quantize_mxfp4
+from moegen.quant import quantize_mxfp4, quantize_nvfp4
 from moegen.runtime import Layer, load
 from moegen.spec import Spec, load_spec
 from moegen.weights import tensors
@@ -47,14 +47,20 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     (the same values, dequantized)."""
     layer_w, ref_w = {}, {}
     for name, (shape, dtype) in tensors(plan).items():
-        if name.endswith(("_scale_inv", "_scale")):  # made with their weight
+        if name.endswith(("_scale_inv", "_scale", "_scale_2")):  # made with their weight
             continue
-        if dtype == "uint8":  # MXFP4: quantized here (OCP MX rule), the reference reads the dequantized values
+        if dtype == "uint8":  # FP4: quantized here (OCP MX / ModelOpt rules); the reference reads the values
             logical = (*shape[:-1], shape[-1] * 2)
             w = (torch.randn(logical, device="cuda") / math.sqrt(logical[-1])).cpu().numpy()
-            q = quantize_mxfp4(w)
-            layer_w[name], layer_w[f"{name}_scale"] = q.packed, q.scale
-            ref_w[name] = q.dequantize()
+            if f"{name}_scale_2" in tensors(plan):
+                nv = quantize_nvfp4(w)
+                layer_w[name], layer_w[f"{name}_scale"] = nv.packed, nv.scale
+                layer_w[f"{name}_scale_2"] = nv.scale_2[..., 0]
+                ref_w[name] = nv.dequantize()
+            else:
+                mx = quantize_mxfp4(w)
+                layer_w[name], layer_w[f"{name}_scale"] = mx.packed, mx.scale
+                ref_w[name] = mx.dequantize()
             continue
         if dtype == "int32":  # the hash table tid2eid: k distinct random experts per row
             rng = np.random.default_rng()

@@ -24,7 +24,7 @@ from moegen.hf import (
     import_config,
     moe_layers,
 )
-from moegen.spec import load_spec, not_generated
+from moegen.spec import load_spec, not_generated, parse_spec
 from moegen.specyaml import to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,6 +403,38 @@ def test_mxfp4_checkpoint_keeps_its_codes_for_an_mxfp4_spec(tmp_path: Path):
     got = load_layer(tmp_path, bf, 1)
     for p in ("gate", "up", "down"):
         assert np.array_equal(got[f"experts.{p}_proj"].astype(np.float64), q[p].dequantize()), p
+
+
+def test_nvfp4_checkpoint_keeps_codes_scales_and_each_scale_2(tmp_path: Path):
+    """ModelOpt NVFP4 per expert: weight / weight_scale / weight_scale_2, the gate's and the up's
+    scale_2 kept apart; a matrix of the wrong size names the tensor and the expected form."""
+    from moegen.quant import quantize_nvfp4
+
+    e, i, h = 6, 32, 64
+    spec = parse_spec({"name": "tiny-nvfp4", "model": "org/tiny", "hidden_size": h, "experts": {
+        "count": e, "top_k": 2, "intermediate_size": i, "format": "nvfp4"}}, check_generated=False)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2))
+    rng = np.random.default_rng()
+    q = {(x, p): quantize_nvfp4(rng.standard_normal((h, i) if p == "down_proj" else (i, h)).astype(np.float32))
+         for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")}
+    pre = "model.layers.1.mlp."
+    tensors = {f"{pre}gate.weight": rng.standard_normal((e, h)).astype(BF16)}
+    for (x, p), w in q.items():
+        tensors.update({f"{pre}experts.{x}.{p}.{k}": v for k, v in w.tensors().items()})
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    got = load_layer(tmp_path, spec, 1)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        assert np.array_equal(got[f"experts.{p}"], np.stack([q[x, p].packed for x in range(e)]))
+        assert np.array_equal(got[f"experts.{p}_scale"].view(np.uint8),
+                              np.stack([q[x, p].scale for x in range(e)]).view(np.uint8))
+        assert np.array_equal(got[f"experts.{p}_scale_2"], np.array([q[x, p].scale_2[0] for x in range(e)]))
+    assert not np.array_equal(got["experts.gate_proj_scale_2"], got["experts.up_proj_scale_2"])
+    small = quantize_nvfp4(rng.standard_normal((i - 8, h)).astype(np.float32))
+    tensors.update({f"{pre}experts.2.up_proj.{k}": v for k, v in small.tensors().items()})
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ShapeError, match=r"experts\.2\.up_proj\.weight holds a \[24, 64\] NVFP4 matrix, "
+                                         r"expected \[32, 64\] \(expert 2 up_proj: uint8 \[32, 32\]\)"):
+        load_layer(tmp_path, spec, 1)
 
 
 def test_only_the_layers_shards_are_read(tmp_path: Path):

@@ -89,16 +89,16 @@ def _mx_pw(name: str, mats: int, interleaved: bool, experts: int, rows: int, pad
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_mxfp4_pack_roundtrip(interleaved):
-    from moegen.weights import mx_scale_tiles, pack_mxfp4, unpack_mxfp4
+    from moegen.weights import mx_scale_tiles, pack_fp4, unpack_fp4
 
     rng = np.random.default_rng()
     e, rows, k = 3, (40 if not interleaved else 64), 96
     pw = _mx_pw("w", 2, interleaved, e, rows, 48 if not interleaved else 64, k)
     codes = {s: rng.integers(0, 16, (e, rows, k), dtype=np.uint8) for s in pw.sources}
-    packed = pack_mxfp4(pw, codes)
+    packed = pack_fp4(pw, codes)
     tiles_ = pw.rows_padded // 16 // (2 if interleaved else 1)
     assert packed.dtype == np.uint8 and packed.shape == (e, tiles_, k // 32, 1, 32, 2, 2, 4)
-    for src, back in zip(pw.sources, unpack_mxfp4(pw, packed)):
+    for src, back in zip(pw.sources, unpack_fp4(pw, packed)):
         assert np.array_equal(back, codes[src])
     scales = {f"{s}_scale": rng.integers(100, 140, (e, rows, k // 32), dtype=np.uint8) for s in pw.sources}
     tiles = mx_scale_tiles(pw, scales)
@@ -159,7 +159,7 @@ def test_mxfp4_tile_product_as_the_kernel_reads_it():
     per chunk), give the dequantized weights times x: blocks not aligned to 128, scales at the
     extremes of their useful range, every code."""
     from moegen.formats import E2M1_VALUES, e8m0_decode
-    from moegen.weights import mx_scale_tiles, pack_mxfp4
+    from moegen.weights import mx_scale_tiles, pack_fp4
 
     rng = np.random.default_rng()
     e, rows, pad, k = 2, 24, 32, 96  # K: three 32-blocks, not a multiple of 128; rows padded
@@ -167,7 +167,7 @@ def test_mxfp4_tile_product_as_the_kernel_reads_it():
     codes = {s: rng.integers(0, 16, (e, rows, k), dtype=np.uint8) for s in pw.sources}
     sc = {f"{s}_scale": rng.integers(120, 134, (e, rows, k // 32), dtype=np.uint8) for s in pw.sources}
     sc["experts.gate_proj_scale"][0, 0, 0], sc["experts.up_proj_scale"][1, 3, 2] = 1, 250  # 2^-126, 2^123
-    packed, tiles = pack_mxfp4(pw, codes), mx_scale_tiles(pw, sc)
+    packed, tiles = pack_fp4(pw, codes), mx_scale_tiles(pw, sc)
     x = rng.standard_normal((3, k))
     words = packed.view("<u4")[..., 0]  # [E, T, KC, pair, lane, matrix, k-step]: nibble i = element i
     for ex in range(e):
@@ -190,4 +190,66 @@ def test_mxfp4_tile_product_as_the_kernel_reads_it():
                 r0, r1 = tile * 16, min(tile * 16 + 16, rows)
                 want = np.zeros((16, 3))
                 want[: r1 - r0] = w[r0:r1] @ x.T
+                np.testing.assert_allclose(d[mt], want, rtol=1e-12, atol=1e-300)
+
+
+def _e4m3(b: np.ndarray) -> np.ndarray:
+    return np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_nvfp4_tile_product_as_the_kernel_reads_it(interleaved):
+    """NVFP4 as TileGemv reads it: codes as for MXFP4, then per tile the e4m3 row scales of each
+    16-wide block and the tile's scale_2 values after them. A lane's columns of a k-step lie in
+    block t // 2 of its chunk: each of its codes is scaled by that block's row scale in bf16
+    (exact), the sums then times scale_2 (gate and up, or every expert, with its own). Down
+    weights pair consecutive tiles of one matrix."""
+    from moegen.formats import E2M1_VALUES
+    from moegen.weights import nv_scale_tiles, pack_fp4
+
+    rng = np.random.default_rng()
+    e, k = 2, 64
+    rows, pad = (24, 32) if not interleaved else (64, 64)
+    pw = _mx_pw("w", 2, interleaved, e, rows, pad, k)
+    codes = {s: rng.integers(0, 16, (e, rows, k), dtype=np.uint8) for s in pw.sources}
+    sc = {}
+    for s in pw.sources:  # positive e4m3 scales, some subnormal (codes 1-7) and the largest (0x7E = 448)
+        b = rng.integers(1, 0x7E, (e, rows, k // 16), dtype=np.uint8)
+        b[0, 0, 0], b[-1, -1, -1] = 0x01, 0x7E
+        sc[f"{s}_scale"] = b.view(ml_dtypes.float8_e4m3fn)
+        sc[f"{s}_scale_2"] = rng.uniform(0.5, 2.0, e).astype(np.float32)
+    packed, rec = pack_fp4(pw, codes), nv_scale_tiles(pw, sc)
+    t_count = pad // 16 // (2 if interleaved else 1)
+    assert rec.shape == (e, t_count, (k // 32) * 2 * 32 + 16)
+    x = rng.standard_normal((3, k))
+    words = packed.view("<u4")[..., 0]  # [E, T, KC, pair, lane, matrix, k-step]
+    for ex in range(e):
+        for tile in range(t_count):
+            tb = rec[ex, tile]
+            s2 = tb[(k // 32) * 64:].view(np.float32)[:2].astype(np.float64)
+            d = np.zeros((2, 16, 3))
+            for c in range(k // 32):
+                for mt in range(2):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        base = (c * 2 + mt) * 32 + (t // 2) * 16
+                        f_lo, f_hi = _e4m3(tb[[base + g, base + g + 8]])
+                        for s in range(2):
+                            a = [v for r in _e2m1x8_to_bf16x8(int(words[ex, tile, c, 0, lane, mt, s]))
+                                 for v in _bf16x2(r)]
+                            a = [v * (f_lo if i in (0, 1, 4, 5) else f_hi) for i, v in enumerate(a)]
+                            assert all(float(np.float64(v).astype(ml_dtypes.bfloat16)) == v for v in a)  # exact
+                            s_lo = s_hi = 1.0
+                            b = x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4]
+                            d[mt, g] += s_lo * (a[0] * b[:, 0] + a[1] * b[:, 1] + a[4] * b[:, 2] + a[5] * b[:, 3])
+                            d[mt, g + 8] += s_hi * (a[2] * b[:, 0] + a[3] * b[:, 1] + a[6] * b[:, 2] + a[7] * b[:, 3])
+            d *= s2[:, None, None]
+            for mt in range(2):
+                src = pw.sources[0 if interleaved else mt]
+                w = E2M1_VALUES[codes[src][ex]].astype(np.float64)
+                w *= np.repeat(_e4m3(sc[f"{src}_scale"][ex].view(np.uint8)), 16, axis=-1) * float(sc[f"{src}_scale_2"][ex])
+                r0 = (tile * 2 + mt) * 16 if interleaved else tile * 16
+                r1 = min(r0 + 16, rows)
+                want = np.zeros((16, 3))
+                want[: max(r1 - r0, 0)] = w[r0:r1] @ x.T
                 np.testing.assert_allclose(d[mt], want, rtol=1e-12, atol=1e-300)

@@ -89,9 +89,12 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 // e4m3 with one fp32 scale per 128x128 block (1 fragment: both k-steps' 16 codes).
 // MXFP4 (OCP MX: e2m1 codes, one E8M0 scale per row and 32-wide K block): 8 bytes per lane,
 // matrix and chunk, so one 16-byte fragment carries a pair of matrices.
+// NVFP4 (ModelOpt): e2m1 codes in the same layout, one e4m3 scale per row and 16 along K, times
+// the matrix's fp32 scale_2.
 #define MOE_W_BF16 0
 #define MOE_W_FP8_BLOCK 1
 #define MOE_W_MXFP4 2
+#define MOE_W_NVFP4 3
 
 // Eight e2m1 codes (nibble i = element i of an A fragment's k-step, low nibble first) as the four
 // bf16x2 registers of that fragment, exactly: every e2m1 value is a bf16 value. Byte tables
@@ -115,6 +118,19 @@ MOE_DEVICE uint4 e2m1x8_to_bf16x8(u32 w) {
   r.w = prmt(lb1, hb1, 0x7362u) | (prmt(w4, w, 0xFFBBu) & 0x80008000u);
   return r;
 }
+MOE_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// One e4m3 code (the low byte) as fp32, exactly.
+MOE_DEVICE float e4m3_to_f32(u32 b) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(b & 0xffu)));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h & 0xffffu)));
+  return f;
+}
 // E8M0 scale byte: 2^(b - 127); 0 is 2^-127 (an fp32 subnormal), 255 is NaN.
 MOE_DEVICE float e8m0_to_f32(u32 b) {
   return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
@@ -131,17 +147,26 @@ MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
   return pack_bf16x2(lo, hi);
 }
 
-// The MXFP4 row scales of packed tile `tile` ([KC][MATS][16] bytes each), as TileGemv takes them.
+// The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
+// bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of
+// the tile's matrices (16 bytes): nv_scale2 points at them.
 MOE_DEVICE const float* mx_scales(const float* base, size_t tile, int kc, int mats) {
   return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(base) + tile * kc * mats * 16);
+}
+MOE_DEVICE const float* nv_scales(const float* base, size_t tile, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(base) + tile * (kc * mats * 32 + 16));
+}
+MOE_DEVICE const float* nv_scale2(const float* tile_scales, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(tile_scales) + kc * mats * 32);
 }
 
 template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
 struct TileGemv {
   static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk (FP8, BF16)
   // 16-byte A fragments per lane and chunk, all matrices: MXFP4 packs two matrices in one.
-  static constexpr int AU = FMT == MOE_W_MXFP4 ? MATS / 2 : MATS * AF;
-  static_assert(FMT != MOE_W_MXFP4 || MATS % 2 == 0, "MXFP4 tiles pair their matrices");
+  static constexpr bool FP4 = FMT == MOE_W_MXFP4 || FMT == MOE_W_NVFP4;
+  static constexpr int AU = FP4 ? MATS / 2 : MATS * AF;
+  static_assert(!FP4 || MATS % 2 == 0, "FP4 tiles pair their matrices");
   static constexpr int FRAGS = AU + NT;  // 16-byte fragments per lane per chunk
   static constexpr int RING_U4 = WARPS * DEPTH * FRAGS * 32;
   static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
@@ -151,10 +176,13 @@ struct TileGemv {
   // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
   // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
   // MXFP4: scale (bytes) [KC][MATS][16] holds this tile's E8M0 row scales, one per chunk.
+  // NVFP4: scale (bytes) [KC][MATS][2 blocks of 16 along K][16] its e4m3 row scales; scale2[mt]
+  // each matrix's scale_2.
   // smem: SMEM_BYTES, 16-byte aligned; on return it holds the per-warp partial sums.
   static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
                              const int* __restrict__ tok, int n0, int m, uint4* smem,
-                             const float* __restrict__ scale = nullptr, int scale_stride = 0) {
+                             const float* __restrict__ scale = nullptr, int scale_stride = 0,
+                             const float* __restrict__ scale2 = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const bf16_t* xr[NT];
@@ -224,6 +252,27 @@ struct TileGemv {
             acc[j][mt][3] = fmaf(s_hi, tmp[3], acc[j][mt][3]);
           }
         }
+      } else if (FMT == MOE_W_NVFP4) {
+        // A lane's four columns of a k-step lie in one 16-wide block (block 2c + t/2, K permuted as
+        // the module comment says), so each code is scaled by its row's e4m3 scale before the
+        // tensor cores, in bf16, exactly: e2m1 x e4m3 has at most 6 significant bits. scale_2
+        // multiplies the finished sums.
+        const unsigned char* sb = reinterpret_cast<const unsigned char*>(scale) + (size_t)(warp + i * WARPS) * MATS * 32;
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt / 2];
+          uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
+          const float f_lo = e4m3_to_f32(__ldg(sb + mt * 32 + (t >> 1) * 16 + g));
+          const float f_hi = e4m3_to_f32(__ldg(sb + mt * 32 + (t >> 1) * 16 + g + 8));
+          const u32 s_lo = pack_bf16x2(f_lo, f_lo), s_hi = pack_bf16x2(f_hi, f_hi);
+          k0 = make_uint4(mul_bf16x2(k0.x, s_lo), mul_bf16x2(k0.y, s_hi), mul_bf16x2(k0.z, s_lo), mul_bf16x2(k0.w, s_hi));
+          k1 = make_uint4(mul_bf16x2(k1.x, s_lo), mul_bf16x2(k1.y, s_hi), mul_bf16x2(k1.z, s_lo), mul_bf16x2(k1.w, s_hi));
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mma_bf16(acc[j][mt], k0, bv[j].x, bv[j].y);
+            mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
+          }
+        }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
         const int c = warp + i * WARPS;
 #pragma unroll
@@ -243,6 +292,16 @@ struct TileGemv {
             for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc, tmp[r], acc[j][mt][r]);
           }
         }
+      }
+    }
+    if (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt) {
+        const float s2 = __ldg(scale2 + mt);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s2;
       }
     }
     cp_async_wait<0>();
@@ -624,6 +683,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // Blocks past the routed slots compute the shared expert over all tokens.
 // FP8: s13 holds the gate then the up scales [2][E][I/128][H/128] (ss13: [2][IS/128][H/128]).
 // MXFP4: s13 holds E8M0 bytes [E][tile][chunk][gate, up][16 rows] (ss13 likewise, without E).
+// NVFP4: s13 holds per tile e4m3 bytes [chunk][gate, up][2 blocks of 16][16 rows], then the two scale_2.
 template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
 MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
                              const float* __restrict__ s13, const float* __restrict__ ss13,
@@ -647,9 +707,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
     const uint4* a = w13 + ((size_t)e * TI + tile) * KC * GR::AU * 32;
     const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s13, (size_t)e * TI + tile, KC, 2)
+                      : FMT == MOE_W_NVFP4 ? nv_scales(s13, (size_t)e * TI + tile, KC, 2)
                       : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, E * (I / 128) * KB);
+      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, E * (I / 128) * KB, nv_scale2(sc, KC, 2));
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -674,9 +735,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     const int tile = blockIdx.x - routed_blocks;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss13, tile, KC, 2)
+                      : FMTS == MOE_W_NVFP4 ? nv_scales(ss13, tile, KC, 2)
                       : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, (IS / 128) * KB);
+      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, (IS / 128) * KB, nv_scale2(sc, KC, 2));
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
@@ -697,6 +759,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // sum does not depend on which block came last.
 // FP8: s2 [E][H/128][I/128], ss2 [H/128][IS/128]; a block's TPB tiles share one 128-row block.
 // MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
+// NVFP4: s2 per row group e4m3 bytes [chunk][TPB tiles][2 blocks of 16][16 rows], then TPB scale_2.
 template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
           int FMT, int FMTS>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
@@ -727,10 +790,11 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
     const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
     const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s2, (size_t)e * TH + group, KC, TPB)
+                      : FMT == MOE_W_NVFP4 ? nv_scales(s2, (size_t)e * TH + group, KC, TPB)
                       : FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
     const bf16_t* xa = act + (size_t)begin * KC * 32;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0);
+      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0, nv_scale2(sc, KC, TPB));
       for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -745,9 +809,10 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     group = blockIdx.x - routed_blocks;
     const uint4* a = ws2 + (size_t)group * KCS * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss2, group, KCS, TPB)
+                      : FMTS == MOE_W_NVFP4 ? nv_scales(ss2, group, KCS, TPB)
                       : FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0);
+      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0, nv_scale2(sc, KCS, TPB));
       for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NTS * 128), j = (i >> 7) % NTS, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) ys[(size_t)tk * H + group * ROWS + mt * 16 + r] = GS::result(red, j, mt, r, col);
