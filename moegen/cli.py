@@ -47,7 +47,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
     return run_bench(args.spec, tokens=tokens, layers=args.layers, json_path=args.json, compare=args.compare,
-                     stages=args.stages, out_root=args.out)
+                     stages=args.stages, out_root=args.out, pending=args.pending)
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
@@ -112,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("bench", help="time the layer on this GPU against the memory roofline")
     m.add_argument("spec")
     m.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,2,4,...,max)")
-    m.add_argument("--layers", type=int, default=4, help="layers with distinct weights per replay (>= 4)")
+    m.add_argument("--layers", type=int, default=4,
+                   help="layers with distinct weights per replay (default 4; fewer where they would not fit)")
     m.add_argument("--json", default=None, help="write the results to this JSON file")
     m.add_argument("--compare", action="store_true", help="also time PyTorch baselines when torch is importable")
     m.add_argument("--stages", action="store_true", help="also time each kernel alone")
     m.add_argument("--out", default="generated", help="generated root (default: generated)")
+    m.add_argument("--pending", action="store_true",
+                   help="also time a spec the generator still refuses (a kernel awaiting its GPU check)")
     m.set_defaults(fn=_cmd_bench)
     _add_spec_commands(sub)
     args = p.parse_args(argv)

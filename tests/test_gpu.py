@@ -9,20 +9,20 @@ invariance, and launch-time errors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SPECS
+from conftest import PENDING_TIER, SPECS
 
 from moegen import reference
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
+from moegen.formats import MXFP4Weight, NVFP4Weight
 from moegen.plan import Plan, make_plan
-from moegen.quant import quantize_mxfp4, quantize_nvfp4
 from moegen.runtime import Layer, load
 from moegen.spec import Spec, load_spec
 from moegen.weights import tensors
@@ -49,18 +49,8 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith(("_scale_inv", "_scale", "_scale_2")):  # made with their weight
             continue
-        if dtype == "uint8":  # FP4: quantized here (OCP MX / ModelOpt rules); the reference reads the values
-            logical = (*shape[:-1], shape[-1] * 2)
-            w = (torch.randn(logical, device="cuda") / math.sqrt(logical[-1])).cpu().numpy()
-            if f"{name}_scale_2" in tensors(plan):
-                nv = quantize_nvfp4(w)
-                layer_w[name], layer_w[f"{name}_scale"] = nv.packed, nv.scale
-                layer_w[f"{name}_scale_2"] = nv.scale_2[..., 0]
-                ref_w[name] = nv.dequantize()
-            else:
-                mx = quantize_mxfp4(w)
-                layer_w[name], layer_w[f"{name}_scale"] = mx.packed, mx.scale
-                ref_w[name] = mx.dequantize()
+        if dtype == "uint8":  # FP4: random codes and scales as stored; the reference reads their values
+            _rand_fp4(name, shape, plan, layer_w, ref_w, torch)
             continue
         if dtype == "int32":  # the hash table tid2eid: k distinct random experts per row
             rng = np.random.default_rng()
@@ -84,6 +74,25 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     return layer_w, ref_w
 
 
+def _rand_fp4(name: str, shape: tuple[int, ...], plan: Plan, layer_w: dict, ref_w: dict, torch: Any) -> None:
+    """MXFP4 / NVFP4 weights drawn as stored (uniform e2m1 codes; scales that make the values
+    O(1/sqrt(K))), and their exact values (moegen.formats) for the reference."""
+    rng = np.random.default_rng()
+    k = 2 * shape[-1]
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").cpu().numpy()
+    layer_w[name] = codes
+    if f"{name}_scale_2" in tensors(plan):  # NVFP4: positive e4m3 scales in [1/4, 2), fp32 scale_2
+        scale = rng.integers(0x28, 0x40, (*shape[:-1], k // 16), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+        s2 = (rng.uniform(0.5, 1.0, shape[:-2]) / (6 * math.sqrt(k))).astype(np.float32)
+        layer_w[f"{name}_scale"], layer_w[f"{name}_scale_2"] = scale, s2
+        ref_w[name] = NVFP4Weight(codes, scale, s2[..., None], (shape[-2],), k).dequantize()
+    else:  # MXFP4: E8M0 scales around 1 / (6 sqrt(K))
+        lo = 127 - math.ceil(math.log2(6 * math.sqrt(k)))
+        scale = rng.integers(lo, lo + 3, (*shape[:-1], k // 32), dtype=np.uint8)
+        layer_w[f"{name}_scale"] = scale
+        ref_w[name] = MXFP4Weight(codes, scale, k).dequantize()
+
+
 def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any, Any]:
     r, k = w.shape[-2:]
     blocks = w.reshape(*w.shape[:-2], r // 128, 128, k // 128, 128)
@@ -100,11 +109,11 @@ def _host(t: Any) -> np.ndarray:
     return t.detach().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
 
 
-@pytest.fixture(scope="module", params=SPECS, ids=lambda p: p.stem)
+@pytest.fixture(scope="module", params=SPECS + PENDING_TIER, ids=lambda p: p.stem)
 def case(request, tmp_path_factory) -> Iterator[Case]:
     import torch
 
-    spec = load_spec(request.param)
+    spec = load_spec(request.param, check_generated=request.param not in PENDING_TIER)
     plan = make_plan(spec)
     out = tmp_path_factory.mktemp("gen") / spec.name
     write_dir(out, render_all(spec, plan))
