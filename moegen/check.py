@@ -148,19 +148,29 @@ def _replay(spec: Spec, layer: Any, n: int) -> tuple[bool, str]:
                                       f"two runs {'bitwise equal' if same_runs else 'DIFFER'}")
 
 
-def _gpu(spec: Spec, built: BuildResult, weights: str | None, layer_idx: int | None, tokens: list[int],
-         report: Report) -> None:
+def _load_checkpoint(spec: Spec, plan: Plan, weights: str, layer_idx: int,
+                     report: Report) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The layer's tensors from the checkpoint, checked against what the layer takes (no GPU needed)."""
+    from .weights import collect
+
+    given, ref = _checkpoint_weights(spec, weights, layer_idx)
+    collect(given, plan, lambda obj, key: (np.shape(obj), np.asarray(obj).dtype.name, False))
+    report.add("weights", True, f"{weights} layer {layer_idx}: {len(given)} tensors, as the layer takes them")
+    return given, ref
+
+
+def _gpu(spec: Spec, built: BuildResult, loaded: tuple[dict[str, Any], dict[str, Any]] | None, source: str,
+         tokens: list[int], report: Report) -> None:
     from .runtime import load
 
     rng = np.random.default_rng(0)
-    if weights:
-        given, ref = _checkpoint_weights(spec, weights, layer_idx)
-        source = f"{weights} layer {layer_idx}"
+    if loaded is not None:
+        given, ref = loaded
     else:
         given, ref = _random_weights(spec, built.plan, rng)
         source = "random weights"
     layer = load(built.out_dir, given)
-    report.add("weights", True, f"{source} loaded on {_device_name()}")
+    report.add("device", True, f"{source} loaded on {_device_name()}")
     for n in tokens:
         ok, text = _accuracy(spec, layer, ref, n, rng)
         report.add("reference", ok, text)
@@ -206,11 +216,16 @@ def run_check(spec_path: str, weights: str | None = None, layer: int | None = No
                                          f"{'cached' if built.compiled.cached else 'compiled'} in "
                                          f"{built.seconds:.2f} s, {spills} spill bytes -> "
                                          f"{built.out_dir if out_root else '(temporary directory)'}")
+        loaded = None
+        if weights:
+            loaded = _stage(report, "weights", lambda: _load_checkpoint(spec, built.plan, weights, layer, report))
+            if loaded is None:
+                return 1, report
         reason = gpu_unavailable_reason()
         if reason:
             report.add("gpu", None, f"{reason}: the layer was validated and built, not run "
                                     "(reference comparison, graph replay and determinism need a GPU)")
             return int(report.failed > 0), report
         counts = sorted({min(n, spec.max_tokens) for n in (tokens or [1, 7, 64])})
-        _stage(report, "gpu", lambda: _gpu(spec, built, weights, layer, counts, report))
+        _stage(report, "gpu", lambda: _gpu(spec, built, loaded, f"{weights} layer {layer}", counts, report))
     return int(report.failed > 0), report

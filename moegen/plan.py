@@ -184,6 +184,9 @@ def _check_shapes(spec: Spec) -> None:
     for name, v in checks:
         if v % 32:
             raise PlanError(f"{name}={v}: the bf16 kernels need a multiple of 32")
+    if spec.hidden_size < 32 * WARPS:
+        raise PlanError(f"hidden_size={spec.hidden_size}: the router kernel's {WARPS} warps need at least "
+                        f"{32 * WARPS} (one 32-wide chunk each)")
     fp8 = [spec.experts.format.value == "fp8_block", bool(spec.shared_expert and spec.shared_expert.format.value == "fp8_block")]
     for name, v in checks:
         uses_fp8 = fp8[1] if name.startswith("shared") else (fp8[0] or (fp8[1] and name == "hidden_size"))

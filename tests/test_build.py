@@ -600,3 +600,20 @@ def test_unsupported_arch_is_a_spec_error_naming_the_field(tmp_path: Path):
         build(QWEN, tmp_path / "out", arch="sm_80")
     assert not (tmp_path / "out").exists()
     assert build(QWEN, tmp_path / "out", arch="sm_90a").plan.arch == "sm_90a"
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"hidden_size": 40}, r"hidden_size=40: the bf16 kernels need a multiple of 32"),
+    ({"hidden_size": 64}, r"hidden_size=64: the router kernel's 4 warps need at least 128"),
+    ({"experts": {"count": 8, "top_k": 2, "intermediate_size": 96, "format": "fp8_block"}},
+     r"experts\.intermediate_size=96: FP8 128x128 block weights need a multiple of 128"),
+])
+def test_shapes_the_kernels_cannot_take_are_plan_errors(body, match):
+    """Refused by the planner with the field named, before any source is rendered or compiled."""
+    from moegen.plan import PlanError, make_plan
+    from moegen.spec import parse_spec
+
+    spec = parse_spec({"name": "s", "model": "m", "hidden_size": 256,
+                       "experts": {"count": 8, "top_k": 2, "intermediate_size": 64}, **body})
+    with pytest.raises(PlanError, match=match):
+        make_plan(spec)

@@ -502,6 +502,28 @@ def test_check_without_gpu_validates_builds_and_says_gpu_skipped(tmp_path: Path,
                                  f"{ROOT / 'specs' / 'olmoe-1b-7b.yaml'}")
 
 
+def test_check_reads_the_checkpoint_without_a_gpu(tmp_path: Path, monkeypatch, capsys):
+    """`check --weights` loads the layer's tensors and matches them to what the layer takes before
+    (and without) the GPU part; a missing tensor fails that line, naming it."""
+    monkeypatch.setenv("MOEGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("moegen.check.gpu_unavailable_reason", lambda: "no CUDA device here")
+    spec_path = tmp_path / "tiny.yaml"
+    cfg = {**QWEN2, "hidden_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    assert main(["spec", "import-hf", str(write_config(tmp_path, cfg)), "-o", str(spec_path), "--layer", "1"]) == 0
+    spec = load_spec(spec_path)
+    tensors = stored(canonical(spec, np.random.default_rng()), "per_expert", 1)
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    capsys.readouterr()
+    assert main(["check", str(spec_path), "--weights", str(tmp_path), "--layer", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights      ok       {tmp_path} layer 1: " in out and "gpu          skipped" in out, out
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    assert main(["check", str(spec_path), "--weights", str(tmp_path), "--layer", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "weights      FAILED" in out and "experts.3.w3.weight" in out and "gpu " not in out, out
+
+
 def test_check_fails_on_a_bad_spec(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: m\nhidden_size: 64\nexperts: {count: 8, top_k: 9, intermediate_size: 32}\n")
