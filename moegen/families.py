@@ -231,9 +231,10 @@ def _route_sig(c: Layer, routes: bool = True) -> Extra:
 
 
 def route_kernel(c: Layer, desc: str) -> Kernel:
-    name = f"moe_route_{c.route_tag}_ks{c.ksplit}_n{c.nmax}_{c.spec.arch}"
+    # It follows a router that leaves the partial sums added in partial 0: it reads one (KSPLIT 1).
+    name = f"moe_route_{c.route_tag}_n{c.nmax}_{c.spec.arch}"
     threads = route_threads(c.e + c.z)
-    targs = (str(c.e), str(c.rows_pad), str(c.k), str(c.ksplit), str(c.nmax), _b(c.gated), str(threads))
+    targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads))
     base = (("const float* __restrict__ logits", "logits", "ws.logits"),)
     return _kernel(name, "route", threads, targs, base, _route_sig(c), "route_kernel_body",
                    f"route: {desc}; tokens grouped by expert")
@@ -249,7 +250,8 @@ def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
             ("float* logits", "logits", "ws.logits"), ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c, fused), "router_logits_body",
                    f"router: {c.rows_pad} rows x {c.h}, K split {c.ksplit} ways, {8 * nt} tokens per pass"
-                   + ("; the last block routes" if fused else ""))
+                   + ("; the last block routes" if fused else "; each tile's last block adds its partials"
+                      if c.ksplit > 1 else ""))
 
 
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:

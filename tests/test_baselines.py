@@ -14,14 +14,14 @@ torch = pytest.importorskip("torch", reason="the baselines are PyTorch code")
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_baselines_match_reference(shared):
-    d = {"name": "t", "model": "t", "hidden_size": 64, "experts": {"count": 8, "top_k": 2, "intermediate_size": 32},
+    d = {"name": "t", "model": "t", "hidden_size": 128, "experts": {"count": 8, "top_k": 2, "intermediate_size": 32},
          "routing": {"renormalize": True}}
     if shared:
         d["shared_expert"] = {"intermediate_size": 32, "gate": "sigmoid"}
     spec = parse_spec(d)
     plan = make_plan(spec)
     w = {k: (torch.randn(s) / s[-1] ** 0.5).to(torch.bfloat16) for k, s in expected(plan).items()}
-    x = torch.randn(5, 64).to(torch.bfloat16)
+    x = torch.randn(5, 128).to(torch.bfloat16)
     bits = {k: v.view(torch.int16).numpy().view(ml_dtypes.bfloat16) for k, v in w.items()}
     ref = reference.moe_forward(spec, x.view(torch.int16).numpy().view(ml_dtypes.bfloat16), bits)
     loop = baselines.loop_over_experts(spec, x.float(), {k: v.float() for k, v in w.items()}, torch)

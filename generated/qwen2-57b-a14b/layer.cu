@@ -631,9 +631,12 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float*
 // Every block streams one 16-row weight tile once and applies it to all tokens that need it.
 
 // Router logits (and the shared-expert gate logit as row E): rows of the packed router matrix
-// times every token. K is split over KSPLIT blocks per tile; the route adds the KSPLIT partial
-// sums in a fixed order (no floating-point atomics). With ROUTE, the last block to finish (an
-// integer counter) routes the tokens itself: one launch fewer on the small-batch path.
+// times every token. K is split over KSPLIT blocks per tile, whose partial sums are added in a
+// fixed order (no floating-point atomics). With ROUTE, the last block to finish (an integer
+// counter) routes the tokens itself, adding the partials as it reads them: one launch fewer on
+// the small-batch path. Without it, the last block of each tile adds the tile's partials into
+// partial 0, so that the route kernel (one block) reads one partial per logit, not KSPLIT.
+// route_done: [0] the route's counter, [1 + tile] the tiles' counters.
 template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX, bool ROUTE, int E, int K,
           bool SHARED_GATE>
 MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
@@ -675,6 +678,24 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
         slot_token, n, slot_w, token_ids, tid2eid);
+  } else if (KSPLIT > 1) {
+    __shared__ int tile_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      tile_last = atomicAdd(route_done + 1 + tile, 1) == KSPLIT - 1;
+      if (tile_last) route_done[1 + tile] = 0;  // every part of this tile has counted
+    }
+    __syncthreads();
+    if (!tile_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {  // 0 + p0 + p1 + ...: the route's order
+      float* p0 = logits + (size_t)(i >> 4) * ROWS_PAD + tile * 16 + (i & 15);
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(p0 + (size_t)p * NMAX * ROWS_PAD);
+      *p0 = s;
+    }
   }
 }
 
@@ -925,8 +946,8 @@ static_assert(8 <= 32, "route: one choice per lane");
 
 // ---- kernels of this layer ----
 // route: softmax over 64 experts (fp32 logits) -> top-8; tokens grouped by expert
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e64_k8_softmax_scores_sgate_fp32_ks28_n256_sm_90a(const float* __restrict__ logits, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<64, 80, 8, 28, 256, true, 1024>(logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e64_k8_softmax_scores_sgate_fp32_n256_sm_90a(const float* __restrict__ logits, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<64, 80, 8, 1, 256, true, 1024>(logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
@@ -952,7 +973,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt1_bf16_si20480_nts1_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 1, 1, 4, 4, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
-// router: 80 rows x 3584, K split 28 ways, 16 tokens per pass
+// router: 80 rows x 3584, K split 28 ways, 16 tokens per pass; each tile's last block adds its partials
 extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks28_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<112, 2, 4, 6, 28, 80, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -964,7 +985,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt2_bf16_si20480_nts2_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 2, 2, 4, 4, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
-// router: 80 rows x 3584, K split 28 ways, 32 tokens per pass
+// router: 80 rows x 3584, K split 28 ways, 32 tokens per pass; each tile's last block adds its partials
 extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks28_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<112, 4, 4, 4, 28, 80, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
