@@ -62,8 +62,11 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+SPLIT = 2  # NVRTC compiles the kernels in 2 threads (--split-compile): a cold build in about a second
+
+
 def options_of(arch: str) -> dict[str, object]:
-    return {"arch": arch, "std": STD, "ptxas_options": ["-v"]}
+    return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": SPLIT}
 
 
 def cache_dir() -> Path:
