@@ -235,9 +235,10 @@ def route_kernel(c: Layer, desc: str) -> Kernel:
     name = f"moe_route_{c.route_tag}_n{c.nmax}_{c.spec.arch}"
     threads = route_threads(c.e + c.z)
     targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads))
-    base = (("const float* __restrict__ logits", "logits", "ws.logits"),)
+    base = (("const float* __restrict__ logits", "logits", "ws.logits"), ("int* route_cnt", "route_cnt", "ws.route_cnt"),
+            ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "route", threads, targs, base, _route_sig(c), "route_kernel_body",
-                   f"route: {desc}; tokens grouped by expert")
+                   f"route: {desc}; one token per warp, the last block groups the tokens by expert")
 
 
 def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:

@@ -238,7 +238,8 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
     launches = (
         *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
-        *(() if fused else (Launch(route_name, (1, 1), F.route_threads(c.e + c.z), pdl=True),)),
+        *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
+                                   F.route_threads(c.e + c.z), pdl=True),)),
         Launch(add(F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1), WARPS * 32,
                pdl=True),
         Launch(add(F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1), WARPS * 32,
@@ -266,6 +267,7 @@ def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),  # counters: zero between calls, the last block resets
         Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
+        Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row

@@ -378,19 +378,24 @@ MOE_DEVICE float activate(float g, float u) {
 }
 
 // ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
-// One block (its own kernel, or the last block of the router). Each warp routes tokens (lane j
-// keeps the j-th choice); then the hit experts are numbered in ascending expert order (slots)
-// and each (token, choice) pair gets a row in its expert's contiguous segment. The order of tokens inside a segment is whatever the shared-memory
-// counters give, which changes no result: each token's row is computed independently.
+// Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are numbered in
+// ascending expert order (slots) and each (token, choice) pair gets a row in its expert's
+// contiguous segment. The order of tokens inside a segment is whatever the counters give, which
+// changes no result: each token's row is computed independently.
+// One block does it all (the last block of the router), or (MULTI, the route kernel) every block
+// routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
+// finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R>
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
+          bool MULTI = false>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
                            float* __restrict__ gate_s, int* __restrict__ num_slots,
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
                            int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
-                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
+                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr,
+                           int* gcnt = nullptr, int* done = nullptr) {
   // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
   constexpr int ES = E + R::ZERO;
   constexpr int EPL = (ES + 31) / 32;
@@ -399,7 +404,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
   __syncthreads();
-  for (int tk = warp; tk < n; tk += THREADS / 32) {
+  const int first = MULTI ? blockIdx.x * (THREADS / 32) + warp : warp;
+  const int step = MULTI ? gridDim.x * (THREADS / 32) : THREADS / 32;
+  for (int tk = first; tk < n; tk += step) {
     // v: logits, then scores (what the weights come from); sel: what top-k ranks.
     float v[EPL], sel[EPL];
 #pragma unroll
@@ -554,6 +561,25 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     }
   }
   __syncthreads();
+  if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
+    __shared__ int is_last;
+    for (int e = threadIdx.x; e < E; e += THREADS)
+      if (cnt[e]) atomicAdd(gcnt + e, cnt[e]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      is_last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+      if (is_last) *done = 0;  // every block has counted: ready for the next call
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < E; e += THREADS) {
+      cnt[e] = __ldcg(gcnt + e);
+      gcnt[e] = 0;  // cleared for the next call
+    }
+    __syncthreads();
+  }
   {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix
     // sum over the experts, THREADS at a time
     __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
@@ -598,7 +624,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   }
   __syncthreads();
   for (int p = threadIdx.x; p < n * K; p += THREADS) {
-    const int e = topk_ids[p];
+    const int e = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
     if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
       pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
       continue;
@@ -606,14 +632,16 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     const int pos = atomicAdd(&cursor[e], 1);
     pair_pos[p] = pos;
     slot_token[pos] = p / K;
-    if (R::WEIGHT_ON_INPUT) slot_w[pos] = topk_w[p];
+    if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
   }
 }
 
 
-// The route as its own one-block kernel (token buckets too large for the fused form).
+// The route as its own kernel (token buckets too large for the fused form): one token per warp,
+// as many blocks as the bucket needs; the last block groups the tokens by expert.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS>
-MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float* __restrict__ corr_bias,
+MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
+                                  const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
@@ -622,9 +650,9 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, const float*
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n, slot_w, token_ids, tid2eid);
+      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -945,9 +973,9 @@ static_assert((7168 / 32) % 7 == 0 && (7168 / 32) / 7 >= 4, "router K split into
 static_assert(8 <= 32, "route: one choice per lane");
 
 // ---- kernels of this layer ----
-// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; tokens grouped by expert
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n256_sm_90a(const float* __restrict__ logits, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<384, 384, 8, 1, 256, false, 1024>(logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; one token per warp, the last block groups the tokens by expert
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<384, 384, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // weight packing, 1 matrices per tile (runs once, at load)
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
