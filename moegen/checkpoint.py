@@ -226,13 +226,38 @@ def _per_expert(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
             for suffix, j in (("", 0), ("_scale", 1), ("_scale_2", 2)):
                 out[f"experts.{proj}{suffix}"] = np.stack([p[j] for p in parts])
             continue
+        if spec.experts.format.value == "mxfp4":  # DeepSeek-V4 FP4 per expert: kept as stored
+            parts = [_fp4_e8m0(t, f"experts.{x}.{name}", shape, f"expert {x} {proj}") for x in range(e)]
+            out[f"experts.{proj}"] = np.stack([p.packed for p in parts])
+            out[f"experts.{proj}_scale"] = np.stack([p.scale for p in parts])
+            continue
         mats = [t.read(f"experts.{x}.{name}.weight", shape, f"expert {x} {proj}") for x in range(e)]
         out[f"experts.{proj}"] = np.stack(mats)
         if f"experts.0.{name}.weight_scale_inv" in t.full:  # FP8 block checkpoints (format a)
             out[f"experts.{proj}_scale_inv"] = np.stack(
-                [t.read(f"experts.{x}.{name}.weight_scale_inv", None, f"expert {x} {proj} FP8 scales")
+                [_fp32_scales(t.read(f"experts.{x}.{name}.weight_scale_inv", None, f"expert {x} {proj} FP8 scales"))
                  for x in range(e)])
     return out
+
+
+def _fp32_scales(s: np.ndarray) -> np.ndarray:
+    """FP8 block scales as float32: DeepSeek-V4 stores them as E8M0 (powers of two), exactly."""
+    return s.astype(np.float32) if s.dtype != np.float32 else s
+
+
+def _fp4_e8m0(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> Any:
+    """DeepSeek-V4 FP4 (format e) `{prefix}.weight` int8 [R, K/2] + E8M0 scales [R, K/32], named
+    `.scale` (DeepSeek's inference code) or `.weight_scale_inv`, checked by moegen.quant.load_dsv4_fp4."""
+    from .quant import load_dsv4_fp4
+
+    sname = next((n for n in ("scale", "weight_scale_inv") if f"{prefix}.{n}" in t.full), "scale")
+    parts = {f"{prefix}.{k}": t.read(f"{prefix}.{k}", None, what) for k in ("weight", sname)}
+    w = load_dsv4_fp4(parts, f"{prefix}.", scale_name=sname)
+    if (w.packed.shape[0], w.k) != shape:
+        full = t.full[f"{prefix}.weight"]
+        raise ShapeError(f"{t.files[full]}: {full} holds a [{w.packed.shape[0]}, {w.k}] FP4 matrix, expected "
+                         f"{list(shape)} ({what}: int8 [{shape[0]}, {shape[1] // 2}])")
+    return w
 
 
 def _shared(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
@@ -249,7 +274,8 @@ def _shared(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
             continue
         out[f"shared_expert.{proj}"] = t.read(f"{prefix}.{name}.weight", shape, f"shared expert {proj}")
         if f"{prefix}.{name}.weight_scale_inv" in t.full:
-            out[f"shared_expert.{proj}_scale_inv"] = t.read(f"{prefix}.{name}.weight_scale_inv", None, "FP8 scales")
+            out[f"shared_expert.{proj}_scale_inv"] = _fp32_scales(
+                t.read(f"{prefix}.{name}.weight_scale_inv", None, "FP8 scales"))
     if spec.shared_expert.gate == "sigmoid":
         out["shared_expert_gate.weight"] = t.read("shared_expert_gate.weight", (1, h), "shared expert gate")
     return out

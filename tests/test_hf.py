@@ -437,6 +437,44 @@ def test_nvfp4_checkpoint_keeps_codes_scales_and_each_scale_2(tmp_path: Path):
         load_layer(tmp_path, spec, 1)
 
 
+def test_deepseek_v4_fp4_experts_and_e8m0_fp8_shared_expert(tmp_path: Path):
+    """DeepSeek-V4 as released: per-expert int8 FP4 `weight` + E8M0 `scale` (format e, MXFP4's
+    math), the shared expert FP8 with E8M0 block scales: the layer gets the codes as stored and
+    the scales as fp32, exactly; an FP4 matrix of the wrong size names the tensor."""
+    from moegen.quant import quantize_mxfp4
+
+    e, i, h = 4, 64, 128
+    spec = parse_spec({"name": "tiny-v4", "model": "org/tiny", "hidden_size": h,
+                       "experts": {"count": e, "top_k": 2, "intermediate_size": i, "format": "mxfp4"},
+                       "shared_expert": {"intermediate_size": i, "format": "fp8_block"}}, check_generated=False)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2))
+    rng = np.random.default_rng()
+    pre = "model.layers.1.ffn."
+    tensors = {f"{pre}gate.weight": rng.standard_normal((e, h)).astype(BF16)}
+    q = {}
+    for x in range(e):
+        for p, n, shape in (("gate_proj", "w1", (i, h)), ("up_proj", "w3", (i, h)), ("down_proj", "w2", (h, i))):
+            q[x, p] = quantize_mxfp4(rng.standard_normal(shape).astype(np.float32))
+            tensors[f"{pre}experts.{x}.{n}.weight"] = q[x, p].packed.view(np.int8)
+            tensors[f"{pre}experts.{x}.{n}.scale"] = q[x, p].scale.view(ml_dtypes.float8_e8m0fnu)
+    for n, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+        tensors[f"{pre}shared_experts.{n}.weight"] = rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn)
+        tensors[f"{pre}shared_experts.{n}.weight_scale_inv"] = np.full((1, 1), 0.25, np.float32).astype(
+            ml_dtypes.float8_e8m0fnu)
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    got = load_layer(tmp_path, spec, 1)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        assert np.array_equal(got[f"experts.{p}"], np.stack([q[x, p].packed for x in range(e)])), p
+        assert np.array_equal(got[f"experts.{p}_scale"], np.stack([q[x, p].scale for x in range(e)])), p
+        assert got[f"shared_expert.{p}_scale_inv"].dtype == np.float32
+        assert np.array_equal(got[f"shared_expert.{p}_scale_inv"], np.full((1, 1), 0.25, np.float32))
+    tensors[f"{pre}experts.1.w2.weight"] = tensors[f"{pre}experts.1.w2.weight"][:, :16]
+    tensors[f"{pre}experts.1.w2.scale"] = tensors[f"{pre}experts.1.w2.scale"][:, :1]
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ShapeError, match=r"experts\.1\.w2\.weight holds a \[128, 32\] FP4 matrix, expected \[128, 64\]"):
+        load_layer(tmp_path, spec, 1)
+
+
 def test_only_the_layers_shards_are_read(tmp_path: Path):
     """A shard that holds none of layer 1's tensors is never opened: corrupt it and load anyway."""
     spec = import_config(write_config(tmp_path, QWEN2), layer=1).spec

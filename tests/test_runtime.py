@@ -15,11 +15,10 @@ import pytest
 from test_features import ALL, BASE, CASES
 
 from moegen import runtime
-from moegen.weights import WeightError
 from moegen.arrays import ArrayError, View
 from moegen.plan import make_plan
 from moegen.spec import parse_spec
-from moegen.weights import tensors
+from moegen.weights import WeightError, tensors
 
 
 class FakeDriver:
