@@ -42,10 +42,22 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+class BenchError(RuntimeError):
+    """moegen bench cannot run here (no GPU, or not enough of them for --ep-size)."""
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
+    from .check import gpu_unavailable_reason
 
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise BenchError(f"bench times the layer on a GPU: {reason}")
+    if args.ep_size:
+        from .epbench import run_ep_bench
+
+        return run_ep_bench(args.spec, args.ep_size, tokens=tokens, json_path=args.json)
     return run_bench(args.spec, tokens=tokens, layers=args.layers, json_path=args.json, compare=args.compare,
                      stages=args.stages, out_root=args.out, pending=args.pending)
 
@@ -118,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--compare", action="store_true", help="also time PyTorch baselines when torch is importable")
     m.add_argument("--stages", action="store_true", help="also time each kernel alone")
     m.add_argument("--out", default="generated", help="generated root (default: generated)")
+    m.add_argument("--ep-size", type=int, default=0,
+                   help="expert parallelism over this many GPUs of this machine (one process each, NCCL): "
+                        "per-rank, all-reduce and whole-layer times")
     m.add_argument("--pending", action="store_true",
                    help="also time a spec the generator still refuses (a kernel awaiting its GPU check)")
     m.set_defaults(fn=_cmd_bench)
@@ -125,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (*_USER_ERRORS, OSError) as exc:
+    except (*_USER_ERRORS, BenchError, OSError) as exc:
         print(f"moegen: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 

@@ -6,6 +6,7 @@
 #   bash tests/run_gpu_tier.sh checks     the feature, FP4, expert-parallel and oracle tests; sanitizers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, and of the FP4 specs pending
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
+#   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
 # Each mode but the first fits one 10-minute device call.
 set -uo pipefail
 out="${OUT:-gpu-logs}"
@@ -27,6 +28,12 @@ if [ "$mode" = profile ]; then
       python3 -W ignore tests/gpu_sanitize.py qwen3-30b-a3b:1 qwen3-next-80b-a3b:1 >"$out/ncu.txt" 2>&1
   grep -E "^  moe_|Duration|DRAM Throughput|Achieved Occupancy|Waves Per SM" "$out/ncu.txt"
   exit 0
+fi
+if [ "$mode" = ep ]; then
+  run gpu-ep pytest_gpu tests/test_gpu_ep.py
+  ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  run bench-ep bench specs/deepseek-v3-fp8.yaml --ep-size "$ngpu" --tokens 1,64,256 --json "$out/bench-ep.json"
+  grep -E "^ +[0-9]+ " "$out/bench-ep.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = tier ]; then
   run gpu-tier pytest_gpu tests/test_gpu.py

@@ -205,3 +205,13 @@ def test_version(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as ei:
         main(["--version"])
     assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"moegen {moegen.__version__}"
+
+
+@pytest.mark.parametrize("extra, why", [([], "bench times the layer on a GPU: no GPU in this test"),
+                                        (["--ep-size", "2"], "bench times the layer on a GPU: no GPU in this test")])
+def test_bench_without_a_gpu_is_one_line(extra, why, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setattr("moegen.check.gpu_unavailable_reason", lambda: "no GPU in this test")
+    assert main(["bench", str(ROOT / "specs" / "qwen3-30b-a3b.yaml"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err == f"moegen: error: {why}\n"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from test_gpu import _check_rows, _host, _rand_weights
 
 from moegen.build import render_all, write_dir
@@ -56,7 +57,8 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
     _check_rows(total.double().cpu().numpy(), _host(want).astype(np.float64), f"ep_size={ep_size}")
 
 
-def _rank_main(rank: int, world: int, root: str, port: int, results: dict) -> None:
+def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer_spec: dict | None = None,
+               counts: tuple[int, ...] = (64,)) -> None:
     """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too."""
     import os
 
@@ -69,41 +71,52 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
-    torch.manual_seed(0)  # the same weights and input on every rank
-    full_plan = make_plan(parse_spec(LAYER, check_generated=False))
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    base = layer_spec or LAYER
+    full_plan = make_plan(parse_spec(base, check_generated=False))
     dev_w, _ = _rand_weights(full_plan, torch)
-    x = torch.randn(64, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
-    spec = parse_spec({**LAYER, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
+    spec = parse_spec({**base, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
     plan = make_plan(spec)
     out_dir = f"{root}/r{rank}"
     write_dir(Path(out_dir), render_all(spec, plan))
-    lo, n = plan.expert_offset, plan.local_experts
-    w = {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in dev_w.items()
+    lo, n_local = plan.expert_offset, plan.local_experts
+    w = {k: (v[lo:lo + n_local] if k.startswith("experts.") else v) for k, v in dev_w.items()
          if rank == 0 or not k.startswith("shared_expert")}
     layer = load(out_dir, w, device=Device(rank))
     layer.set_allreduce(torch_allreduce())
-    out = torch.empty_like(x)
-    layer(x, out=out, stream=torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(x, out=out, stream=torch.cuda.current_stream())
-    eager = out.clone()
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    full = None
     if rank == 0:
-        write_dir(Path(f"{root}/full"), render_all(parse_spec(LAYER, check_generated=False), full_plan))
+        write_dir(Path(f"{root}/full"), render_all(parse_spec(base, check_generated=False), full_plan))
         full = load(f"{root}/full", dev_w, device=Device(0))
-        want = torch.empty_like(x)
-        full(x, out=want, stream=torch.cuda.current_stream())
+    for n in counts:
+        x = torch.randn(n, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        layer(x, out=out, stream=torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x, out=out, stream=torch.cuda.current_stream())
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
-        results["eager"] = _host(eager).astype(np.float64)
-        results["graph"] = _host(out).astype(np.float64)
-        results["want"] = _host(want).astype(np.float64)
+        if rank == 0:
+            want = torch.empty_like(x)
+            full(x, out=want, stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            results[f"eager{n}"] = _host(eager).astype(np.float64)
+            results[f"graph{n}"] = _host(out).astype(np.float64)
+            results[f"want{n}"] = _host(want).astype(np.float64)
     dist.destroy_process_group()
 
 
-def test_ranks_on_several_gpus(tmp_path):
+# DeepSeek-V3 as released (FP8 block experts), up to 1024 tokens a call
+DSV3_FP8 = {**yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "deepseek-v3-fp8.yaml").read_text()),
+            "max_tokens": 1024}
+
+
+@pytest.mark.parametrize("layer_spec, counts, port", [(None, (64,), 29517), (DSV3_FP8, (1, 64, 1024), 29527)],
+                         ids=["small", "deepseek-v3-fp8"])
+def test_ranks_on_several_gpus(layer_spec, counts, port, tmp_path):
     import torch
     import torch.multiprocessing as mp
 
@@ -112,6 +125,7 @@ def test_ranks_on_several_gpus(tmp_path):
         pytest.skip("one process per GPU needs at least 2 GPUs")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(world, str(tmp_path), 29517, results), nprocs=world, join=True)
-        for kind in ("eager", "graph"):
-            _check_rows(results[kind], results["want"], f"{world} GPUs, {kind}")
+        mp.spawn(_rank_main, args=(world, str(tmp_path), port, results, layer_spec, counts), nprocs=world, join=True)
+        for n in counts:
+            for kind in ("eager", "graph"):
+                _check_rows(results[f"{kind}{n}"], results[f"want{n}"], f"{world} GPUs, N={n}, {kind}")

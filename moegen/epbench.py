@@ -1,0 +1,128 @@
+"""`moegen bench --ep-size N`: an expert-parallel layer on N GPUs of this machine, one process per
+GPU (torch.multiprocessing, NCCL through torch.distributed).
+
+Each rank builds its share of the spec's experts (parallel.ep_size = N, ep_rank = its index),
+loads random weights of the spec's formats, and times, in CUDA-graph replays: its layer without
+the all-reduce (the rank's time), the all-reduce of an output alone, and the whole expert-parallel
+layer (kernels then the all-reduce on the same stream). The table gives, per N, the slowest and
+fastest rank, the all-reduce, and the whole layer.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .build import render_all, write_dir
+from .plan import make_plan
+from .spec import load_spec, parse_spec
+
+REPLAYS = 20
+
+
+def _median_us(graph: Any, torch: Any) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times)
+
+
+def _captured(fn: Any, torch: Any) -> Any:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, results: Any) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from cuda.core import Device
+
+    from .bench import _random_weights
+    from .parallel import torch_allreduce
+    from .runtime import load
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    spec = parse_spec({**body, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
+    plan = make_plan(spec)
+    gen = Path(tempfile.mkdtemp()) / spec.name
+    write_dir(gen, render_all(spec, plan))
+    layer = load(gen, _random_weights(plan, np.random.default_rng(rank)), device=Device(rank))
+    allreduce = torch_allreduce()
+    for n in tokens:
+        torch.manual_seed(n)  # the same tokens on every rank
+        x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        def call(x: Any = x, out: Any = out) -> None:
+            layer(x, out=out, stream=torch.cuda.current_stream())
+
+        layer.set_allreduce(None)
+        alone = _median_us(_captured(call, torch), torch)
+        reduce = _median_us(_captured(lambda out=out: dist.all_reduce(out), torch), torch)
+        layer.set_allreduce(allreduce)
+        whole = _median_us(_captured(call, torch), torch)
+        results[(rank, n)] = (alone, reduce, whole)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ep_bench(spec_path: str, world: int, tokens: list[int] | None = None, json_path: str | None = None,
+                 port: int = 29537) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    from .cli import BenchError
+
+    spec = load_spec(spec_path, check_generated=False)
+    if spec.parallel.ep_size != 1:
+        raise BenchError(f"{spec_path}: parallel.ep_size={spec.parallel.ep_size}: give the single-GPU spec; "
+                         "--ep-size splits its experts")
+    have = torch.cuda.device_count()
+    if not 2 <= world <= have:
+        raise BenchError(f"--ep-size {world}: this machine has {have} GPU(s); one process per GPU needs 2 to {have}")
+    make_plan(parse_spec({**spec.model_dump(mode="json"), "parallel": {"ep_size": world, "ep_rank": 0}},
+                         check_generated=False))  # a clear error here for an impossible split
+    body = yaml.safe_load(Path(spec_path).read_text())
+    tokens = tokens or [1, 64]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world, body, tokens, port, results), nprocs=world, join=True)
+        res = dict(results)
+    rows = []
+    for n in tokens:
+        per = [res[(r, n)] for r in range(world)]
+        rows.append({"tokens": n, "rank_us": [p[0] for p in per], "allreduce_us": max(p[1] for p in per),
+                     "layer_us": max(p[2] for p in per)})
+    out = {"spec": spec.name, "gpu": torch.cuda.get_device_name(0), "ep_size": world,
+           "date": date.today().isoformat(), "rows": rows}
+    print(f"{spec.name} on {world} x {out['gpu']}, {out['date']}: expert parallel, one process per GPU")
+    print(f"{'N':>5} {'rank min':>9} {'rank max':>9} {'all-reduce':>11} {'layer':>9}  (us, CUDA-graph replays)")
+    for row in rows:
+        print(f"{row['tokens']:>5} {min(row['rank_us']):>9.1f} {max(row['rank_us']):>9.1f} "
+              f"{row['allreduce_us']:>11.1f} {row['layer_us']:>9.1f}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
