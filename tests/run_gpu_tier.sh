@@ -3,11 +3,12 @@
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
 #   bash tests/run_gpu_tier.sh            everything (about 15 minutes on one H200)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
+#   bash tests/run_gpu_tier.sh tier1      half of it (every other spec, and the pending FP4 layers); tier2 the rest
 #   bash tests/run_gpu_tier.sh checks     the feature, FP4, expert-parallel and oracle tests; sanitizers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, and of the FP4 specs pending
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
-# Each mode but the first fits one 10-minute device call.
+# Each mode but the first two fits one 10-minute device call (tier: about 10 minutes, tier1 + tier2 half each).
 set -uo pipefail
 out="${OUT:-gpu-logs}"
 mode="${1:-all}"
@@ -37,6 +38,9 @@ if [ "$mode" = ep ]; then
 fi
 if [ "$mode" = all ] || [ "$mode" = tier ]; then
   run gpu-tier pytest_gpu tests/test_gpu.py
+fi
+if [ "$mode" = tier1 ] || [ "$mode" = tier2 ]; then
+  MOEGEN_TIER_PART="${mode#tier}" run "gpu-$mode" pytest_gpu tests/test_gpu.py
 fi
 if [ "$mode" = all ] || [ "$mode" = checks ]; then
   run gpu-features pytest_gpu tests/test_gpu_features.py tests/test_gpu_ep.py

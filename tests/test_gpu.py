@@ -60,17 +60,22 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
             layer_w[name] = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(1 / math.sqrt(shape[-1]))
             ref_w[name] = _host(layer_w[name])
             continue
-        w = torch.randn(shape, device="cuda", dtype=torch.float32) / math.sqrt(shape[-1])
         if name.endswith("norm.weight"):  # RMSNorm weights around 1
             layer_w[name] = ref_w[name] = (1.0 + 0.1 * torch.randn(shape)).numpy()
         elif dtype == "float32":  # biases: kept as they are
-            layer_w[name] = (w * 0.1).cpu().numpy()
+            layer_w[name] = (0.1 * torch.randn(shape, device="cuda") / math.sqrt(shape[-1])).cpu().numpy()
             ref_w[name] = layer_w[name]
-        else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition
-            codes, scale, deq = _fp8_block(w, torch)
-            layer_w[name] = codes.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
-            layer_w[f"{name}_scale_inv"] = scale.cpu().numpy()
-            ref_w[name] = deq.cpu().numpy()
+        else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition;
+            # one matrix at a time (the largest specs' fp32 temporaries would not fit at once)
+            codes, scales, deqs = [], [], []
+            for _ in range(math.prod(shape[:-2])):
+                c, sc, d = _fp8_block(torch.randn(shape[-2:], device="cuda") / math.sqrt(shape[-1]), torch)
+                codes.append(c.view(torch.uint8).cpu().numpy())
+                scales.append(sc.cpu().numpy())
+                deqs.append(d.cpu().numpy())
+            layer_w[name] = np.stack(codes).reshape(shape).view(ml_dtypes.float8_e4m3fn)
+            layer_w[f"{name}_scale_inv"] = np.stack(scales).reshape(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
+            ref_w[name] = np.stack(deqs).reshape(shape)
     return layer_w, ref_w
 
 
