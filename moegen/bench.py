@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .build import render_all, write_dir
-from .plan import Plan, make_plan
+from .build import render_all, tuned_plan, write_dir
+from .plan import Plan
 from .runtime import Layer, _driver, _ok, load
 from .spec import load_spec, not_generated
 from .weights import tensors
@@ -156,7 +156,7 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     spec = load_spec(spec_path, check_generated=not pending)
     if pending and not_generated(spec):
         print(f"{spec.name}: timing a refused spec ({'; '.join(not_generated(spec))}): its results are not checked here")
-    plan = make_plan(spec)
+    plan = tuned_plan(spec, out_root)  # as the build into out_root made it
     gen = Path(out_root) / spec.name
     if not (gen / "launcher.py").is_file():
         gen = Path(tempfile.mkdtemp()) / spec.name

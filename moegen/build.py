@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .families import Tuning
 from .nvrtc import Compiled, compile_cuda, nvrtc_version, options_of
 from .plan import Plan, PlanError, make_plan
 from .render import CUDA_FILE, LAUNCHER_FILE, render_cuda, render_launcher
@@ -63,6 +64,9 @@ def manifest(spec: Spec, plan: Plan, compiled: Compiled) -> dict:
     }
 
 
+TUNING_SUFFIX = ".tuning.json"  # moegen tune --write: <out_root>/<name>.tuning.json
+
+
 def manifest_text(spec: Spec, plan: Plan, compiled: Compiled) -> str:
     """manifest.json exactly as the build writes it."""
     return json.dumps(manifest(spec, plan, compiled), indent=1) + "\n"
@@ -73,6 +77,29 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def tuning_path(out_root: str | Path, name: str) -> Path:
+    return Path(out_root) / f"{name}{TUNING_SUFFIX}"
+
+
+def read_tuning(out_root: str | Path, name: str) -> Tuning | None:
+    """The tuning `moegen tune --write` kept for this spec, or None (the analytic plan)."""
+    p = tuning_path(out_root, name)
+    if not p.is_file():
+        return None
+    try:
+        d = json.loads(p.read_text())
+        return Tuning(warps=int(d["warps"]), down_tiles=int(d["down_tiles"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BuildError(f"{p}: not a tuning file ({exc}); expected {{\"warps\": 4, \"down_tiles\": 2, ...}} "
+                         "as moegen tune --write writes it (delete it to use the analytic plan)") from None
+
+
+def tuned_plan(spec: Spec, out_root: str | Path) -> Plan:
+    """The plan a build of `spec` into out_root uses: the analytic one, revised by a tuning file."""
+    return make_plan(spec, tuning=read_tuning(out_root, spec.name))
+
 
 
 def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str | None = None,
@@ -88,7 +115,7 @@ def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str |
         # Through parse_spec, so an arch the schema refuses is a SpecError naming the field.
         spec = parse_spec({**spec.model_dump(mode="json"), "arch": arch}, f"{spec_path} (--arch {arch})")
     try:
-        plan = make_plan(spec)
+        plan = tuned_plan(spec, out_root)
     except PlanError as exc:
         raise PlanError(f"{spec_path}: {exc}") from None
     out_dir = Path(out_root) / spec.name

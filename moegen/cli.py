@@ -62,6 +62,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                      stages=args.stages, out_root=args.out, pending=args.pending)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .check import gpu_unavailable_reason
+    from .tune import run_tune
+
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise BenchError(f"tune times the layer's variants on a GPU: {reason}")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    return run_tune(args.spec, tokens=tokens, out_root=args.out, write=args.write)
+
+
 def _cmd_import_hf(args: argparse.Namespace) -> int:
     from .hf import import_config
     from .spec import not_generated
@@ -136,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--pending", action="store_true",
                    help="also time a spec the generator still refuses (a kernel awaiting its GPU check)")
     m.set_defaults(fn=_cmd_bench)
+    t = sub.add_parser("tune", help="time variants of the plan's block shapes on this GPU; --write keeps the best")
+    t.add_argument("spec")
+    t.add_argument("--tokens", default=None, help="comma-separated token counts to weigh (default 1,8,64)")
+    t.add_argument("--out", default="generated",
+                   help="generated root: --write puts <out>/<name>.tuning.json there, which later builds use")
+    t.add_argument("--write", action="store_true", help="keep the fastest variant for later builds")
+    t.set_defaults(fn=_cmd_tune)
     _add_spec_commands(sub)
     args = p.parse_args(argv)
     try:

@@ -46,10 +46,41 @@ def _b(v: bool) -> str:
     return "true" if v else "false"
 
 
-def depth(mats: int, nt: int, fmt: str = "bf16") -> int:
+class TuningError(ValueError):
+    """A tuning the kernels cannot take (moegen.plan turns it into a PlanError)."""
+
+
+def depth(mats: int, nt: int, fmt: str = "bf16", warps: int = WARPS) -> int:
     """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
     chunk_bytes = int((mats * A_FRAGMENTS[fmt] + nt) * 512)  # per warp: A fragments of MATS matrices, B of NT groups
-    return max(2, min(MAX_DEPTH, STATIC_SMEM // (WARPS * chunk_bytes)))
+    fits = STATIC_SMEM // (warps * chunk_bytes)
+    if fits < 2:
+        raise TuningError(f"{warps} warps x 2 chunks of {chunk_bytes} bytes exceed {STATIC_SMEM} bytes of static "
+                          f"shared memory ({mats} matrices, {8 * nt} tokens a pass)")
+    return min(MAX_DEPTH, fits)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Choices the analytic plan makes that a measurement on the GPU may revise (`moegen tune`):
+    warps per gate/up and down block (K is split over them; fewer where a kernel's ring would not
+    fit, see _warps), and 16-row tiles per down block. The defaults are the analytic plan's;
+    kernel names carry any other value."""
+
+    warps: int = WARPS
+    down_tiles: int = DOWN_TILES
+
+    def check(self, spec: Spec) -> None:
+        """Raises TuningError where the kernels cannot take this tuning."""
+        h = spec.hidden_size
+        fp4 = "fp4" in spec.experts.format.value or "fp4" in getattr(spec.shared_expert, "format", spec.experts.format).value
+        if self.warps not in (2, 4, 8):
+            raise TuningError(f"tuning warps={self.warps}: 2, 4 or 8")
+        if self.down_tiles not in (1, 2, 4, 8) or h % (16 * self.down_tiles):
+            raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
+        if fp4 and self.down_tiles % 2:
+            raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
+
 
 
 def ksplit(tiles: int, kc: int, target: Target) -> int:
@@ -92,13 +123,14 @@ class Layer:
     ep_rank: int = 0
     ep_lo: int = 0  # this rank's experts: [ep_lo, ep_lo + e_local)
     e_local: int = 0
+    tune: Tuning = Tuning()
 
     @property
     def ep_tag(self) -> str:
         return f"_ep{self.ep_size}r{self.ep_rank}" if self.ep_size > 1 else ""
 
     @classmethod
-    def of(cls, spec: Spec, target: Target) -> Layer:
+    def of(cls, spec: Spec, target: Target, tune: Tuning | None = None) -> Layer:
         h, e, k, i = spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size
         sh, z, r = spec.shared_expert, spec.experts.zero_experts, spec.routing
         ep, rank = spec.parallel.ep_size, spec.parallel.ep_rank
@@ -114,7 +146,7 @@ class Layer:
             woi=r.weight_on_input, bias=spec.experts.bias, hashed=r.hash_vocab_size is not None,
             x_router="ws.xr" if spec.router.norm else "x", x_expert="ws.xe" if spec.pre_expert_norm else "x",
             act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
-            ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local,
+            ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local, tune=tune or Tuning(),
         )
 
 
@@ -257,8 +289,10 @@ def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
 
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
-            + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}_{c.spec.arch}")
-    targs = (*map(str, (c.h // 32, nt, nts, WARPS, depth(2, max(nt, nts), c.fmt_e), c.i // 16, c.si // 16, c.i,
+            + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}")
+    w = _warps(c, 2, max(nt, nts), c.fmt_e)
+    name += f"{_w(w)}_{c.spec.arch}"
+    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.fmt_e, w), c.i // 16, c.si // 16, c.i,
                         max(c.si, 1))), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s], str(c.e_local))
     base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
             ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
@@ -273,7 +307,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     if c.bias:
         extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
                   ("const float* __restrict__ b_up", "b_up", "w.b_up"))
-    return _kernel(name, "gate_up", WARPS * 32, targs, base, extra, "gate_up_body",
+    return _kernel(name, "gate_up", w * 32, targs, base, extra, "gate_up_body",
                    f"gate/up + {c.act_tag}: expert slots x {c.i // 16} tiles"
                    + (f" + shared {c.si // 16} tiles" if c.si else ""))
 
@@ -281,9 +315,11 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
 def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
             + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
-            + ("_winput" if c.woi else "") + c.ep_tag + f"_{c.spec.arch}")
-    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, WARPS, depth(DOWN_TILES, max(nt, nts), c.fmt_e), DOWN_TILES,
-                        c.h // (16 * DOWN_TILES), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s])
+            + ("_winput" if c.woi else "") + c.ep_tag)
+    w, t = _warps(c, c.tune.down_tiles, max(nt, nts), c.fmt_e), c.tune.down_tiles
+    name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + f"_{c.spec.arch}"
+    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.fmt_e, w), t,
+                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s])
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
             ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
             ("const bf16_t* __restrict__ act", "act", "ws.act"), ("const bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
@@ -299,14 +335,27 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     if c.z:
         extra += (("const bf16_t* __restrict__ x", "x", c.x_expert),
                   ("const int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"))
-    return _kernel(name, "down", WARPS * 32, targs, base, extra, "down_body",
+    return _kernel(name, "down", w * 32, targs, base, extra, "down_body",
                    f"down: expert slots x {c.h // 16} tiles of {c.i}" + (f" + shared ({c.si})" if c.si else "")
                    + "; the last block of each tile writes the weighted sum")
 
 
-def pack_kernels(arch: str) -> list[Kernel]:
+def _warps(c: Layer, mats: int, nt: int, fmt: str) -> int:
+    """The tuning's warps per block, halved where the ring of this kernel's token group would not
+    fit in static shared memory (the analytic 4 always fits)."""
+    w = c.tune.warps
+    while w > WARPS and STATIC_SMEM // (w * int((mats * A_FRAGMENTS[fmt] + nt) * 512)) < 2:
+        w //= 2
+    return w
+
+
+def _w(w: int) -> str:
+    return f"_w{w}" if w != WARPS else ""
+
+
+def pack_kernels(arch: str, down_tiles: int = DOWN_TILES) -> list[Kernel]:
     out = []
-    for mats, inter in ((1, False), (2, False), (DOWN_TILES, True)):
+    for mats, inter in ((1, False), (2, False), (down_tiles, True)):
         name = f"moe_pack_tiles_m{mats}{'_interleaved' if inter else ''}_{arch}"
         base = (("const bf16_t* __restrict__ src0", "src0", "src0"), ("const bf16_t* __restrict__ src1", "src1", "src1"),
                 ("uint4* __restrict__ dst", "dst", "dst"), ("int experts", "experts", "experts"),

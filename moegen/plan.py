@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import families as F
-from .families import DOWN_TILES, NORM_THREADS, WARPS
+from .families import NORM_THREADS, WARPS
 from .spec import Select, Spec
 
 FUSED_ROUTE_MAX = 8  # up to this many tokens the router's last block routes them (4 warps, 2 tokens each)
@@ -199,10 +199,20 @@ def _check_shapes(spec: Spec) -> None:
         raise PlanError(f"experts.top_k={spec.experts.top_k}: the route kernel keeps one choice per lane (<= 32)")
 
 
-def make_plan(spec: Spec, target: Target | None = None) -> Plan:
-    target = target or TARGETS[spec.arch]
+def make_plan(spec: Spec, target: Target | None = None, tuning: F.Tuning | None = None) -> Plan:
+    """The plan of `spec` for `target` (default: the spec's arch), with `tuning`'s revisions of the
+    analytic choices (moegen tune) where given."""
+    try:
+        return _make_plan(spec, target or TARGETS[spec.arch], tuning)
+    except F.TuningError as exc:
+        raise PlanError(f"{spec.name}: {exc}") from None
+
+
+def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     _check_shapes(spec)
-    c = F.Layer.of(spec, target)
+    if tuning is not None:
+        tuning.check(spec)
+    c = F.Layer.of(spec, target, tuning)
     kernels: dict[str, Kernel] = {}
 
     def add(kernel: Kernel) -> str:
@@ -212,7 +222,7 @@ def make_plan(spec: Spec, target: Target | None = None) -> Plan:
     norm = F.norm_kernel(c)
     norm_name = add(norm) if norm else ""
     route_name = add(F.route_kernel(c, _routing_desc(spec)))
-    for kernel in F.pack_kernels(spec.arch):
+    for kernel in F.pack_kernels(spec.arch, c.tune.down_tiles):
         add(kernel)
     buckets = tuple(_bucket(c, nb, add, norm_name, route_name) for nb in _buckets(spec))
     return Plan(
@@ -234,16 +244,16 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
     # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
     nt_routed = nt_dense if c.si else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
     fused = nb <= FUSED_ROUTE_MAX
-    groups = c.h // (16 * DOWN_TILES)
+    groups = c.h // (16 * c.tune.down_tiles)
     launches = (
         *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
-        Launch(add(F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1), WARPS * 32,
-               pdl=True),
-        Launch(add(F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1), WARPS * 32,
-               pdl=True),
+        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1),
+               gate_up.threads, pdl=True),
+        Launch(add(down := F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1),
+               down.threads, pdl=True),
     )
     return Bucket(nb, launches)
 
@@ -265,7 +275,7 @@ def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
         Buffer("act_s", "uint16", (nmax, max(si, 1))),
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
-        Buffer("tile_done", "int32", (h // (16 * DOWN_TILES),)),  # counters: zero between calls, the last block resets
+        Buffer("tile_done", "int32", (h // (16 * c.tune.down_tiles),)),  # counters: zero between calls, the last block resets
         Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
         Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
@@ -302,13 +312,13 @@ def _weights(c: F.Layer) -> tuple[PackedWeight, ...]:
     weights = [
         PackedWeight("router", router_sources, 1, False, 0, c.e + c.z + int(c.gated), c.rows_pad, h),
         PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, c.fmt_e, "s13"),
-        PackedWeight("w2", ("experts.down_proj",), DOWN_TILES, True, e, h, h, i, c.fmt_e, "s2"),
+        PackedWeight("w2", ("experts.down_proj",), c.tune.down_tiles, True, e, h, h, i, c.fmt_e, "s2"),
     ]
     if si:
         weights += [
             PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, False, 0, si, si, h,
                          c.fmt_s, "ss13"),
-            PackedWeight("ws2", ("shared_expert.down_proj",), DOWN_TILES, True, 0, h, h, si, c.fmt_s, "ss2"),
+            PackedWeight("ws2", ("shared_expert.down_proj",), c.tune.down_tiles, True, 0, h, h, si, c.fmt_s, "ss2"),
         ]
     return tuple(weights)
 

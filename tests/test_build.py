@@ -22,7 +22,7 @@ import moegen.build as build_mod
 import moegen.nvrtc as nvrtc_mod
 from moegen.build import MANIFEST_FILE, BuildError, build, manifest, manifest_text, render_all, write_dir
 from moegen.nvrtc import Compiled, CompileError, cache_key, compile_cuda, nvrtc_version
-from moegen.plan import Plan, make_plan
+from moegen.plan import Plan, PlanError, make_plan
 from moegen.render import CUDA_FILE, LAUNCHER_FILE
 from moegen.spec import Spec, load_spec, parse_spec
 
@@ -617,3 +617,28 @@ def test_shapes_the_kernels_cannot_take_are_plan_errors(body, match):
                        "experts": {"count": 8, "top_k": 2, "intermediate_size": 64}, **body})
     with pytest.raises(PlanError, match=match):
         make_plan(spec)
+
+
+def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`moegen tune --write` leaves <out>/<name>.tuning.json; the next build of the spec into that
+    root uses it (kernel names carry the values), compiles, and a malformed file is one
+    clear error that writes nothing."""
+    monkeypatch.setenv("MOEGEN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    out.mkdir()
+    name = load_spec(QWEN).name
+    (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 8, "down_tiles": 1, "gpu": "test"}))
+    r = build(QWEN, out)
+    names = [k.name for k in r.plan.kernels]
+    assert any("_w8_" in n for n in names if n.startswith("moe_gate_up")), names
+    assert all("_t1_" in n for n in names if n.startswith("moe_down")), names
+    assert set(r.compiled.resources) == set(names)  # every kernel compiled (moegen tune weighs any spills)
+    assert sorted(os.listdir(out)) == sorted([name, f"{name}.tuning.json"])
+    (out / f"{name}.tuning.json").write_text("{\"warps\": 8}")
+    before = (out / name / CUDA_FILE).read_text()
+    with pytest.raises(BuildError, match=r"qwen3-30b-a3b\.tuning\.json: not a tuning file"):
+        build(QWEN, out)
+    assert (out / name / CUDA_FILE).read_text() == before
+    (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 3, "down_tiles": 2}))
+    with pytest.raises(PlanError, match="tuning warps=3: 2, 4 or 8"):
+        build(QWEN, out)

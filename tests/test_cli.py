@@ -207,11 +207,15 @@ def test_version(capsys: pytest.CaptureFixture[str]):
     assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"moegen {moegen.__version__}"
 
 
-@pytest.mark.parametrize("extra, why", [([], "bench times the layer on a GPU: no GPU in this test"),
-                                        (["--ep-size", "2"], "bench times the layer on a GPU: no GPU in this test")])
-def test_bench_without_a_gpu_is_one_line(extra, why, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]):
+@pytest.mark.parametrize("cmd, extra, why", [
+    ("bench", [], "bench times the layer on a GPU: no GPU in this test"),
+    ("bench", ["--ep-size", "2"], "bench times the layer on a GPU: no GPU in this test"),
+    ("tune", ["--write"], "tune times the layer's variants on a GPU: no GPU in this test"),
+])
+def test_gpu_commands_without_a_gpu_are_one_line(cmd, extra, why, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], tmp_path: Path):
     monkeypatch.setattr("moegen.check.gpu_unavailable_reason", lambda: "no GPU in this test")
-    assert main(["bench", str(ROOT / "specs" / "qwen3-30b-a3b.yaml"), *extra]) == 1
+    assert main([cmd, str(ROOT / "specs" / "qwen3-30b-a3b.yaml"), *extra, "--out", str(tmp_path)]) == 1
+    assert not any(tmp_path.iterdir()), "nothing is written"
     err = capsys.readouterr().err
     assert err == f"moegen: error: {why}\n"

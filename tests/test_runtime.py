@@ -16,7 +16,8 @@ from test_features import ALL, BASE, CASES
 
 from moegen import runtime
 from moegen.arrays import ArrayError, View
-from moegen.plan import make_plan
+from moegen.families import Tuning
+from moegen.plan import PlanError, make_plan
 from moegen.spec import parse_spec
 from moegen.weights import WeightError, tensors
 
@@ -125,9 +126,27 @@ SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in
 
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
 def test_every_kernel_gets_every_pointer(fake_cuda, case):
-    spec = case[1]
+    _check_pointers(fake_cuda, case[1], make_plan(case[1]))
+
+
+@pytest.mark.parametrize("tuning", [Tuning(8, 1), Tuning(2, 4), Tuning(8, 2)], ids=str)
+@pytest.mark.parametrize("name", ["shared_gate", "fp8", "mxfp4"])
+def test_tuned_plans_get_every_pointer(fake_cuda, name, tuning):
+    """Plans revised by moegen tune (other warps per block, other down tiles) launch as completely."""
+    spec = dict(SPECS)[name]
+    if name == "mxfp4" and tuning.down_tiles % 2:
+        with pytest.raises(PlanError, match="FP4 tiles pair their matrices"):
+            make_plan(spec, tuning=tuning)
+        return
+    plan = make_plan(spec, tuning=tuning)
+    blocks = {ln.block for b in plan.buckets for ln in b.launches if "gate_up" in ln.kernel}
+    assert 32 * tuning.warps in blocks and blocks <= {32 * w for w in (2, 4, 8)}  # fewer where a ring would not fit
+    assert next(w for w in plan.weights if w.name == "w2").mats == tuning.down_tiles
+    _check_pointers(fake_cuda, spec, plan)
+
+
+def _check_pointers(fake_cuda, spec, plan) -> None:
     drv, rec = fake_cuda
-    plan = make_plan(spec)
     layer = _layer(plan)
     layer.load_weights(_host_weights(plan))
     assert drv.copies, "no weight reached the device"

@@ -1,0 +1,91 @@
+"""`moegen tune`: measure, on this GPU, the variants of the analytic plan's revisable choices
+(moegen.families.Tuning: warps per gate/up and down block, 16-row tiles per down block) and keep
+the fastest.
+
+The result is written beside the spec's generated output, as <out_root>/<name>.tuning.json, and
+later builds (and `moegen bench`) read it. Without that file a build uses the analytic plan; a
+tuning file changes only kernel choices, never results beyond floating-point summation order
+(the reduction over warps follows the warp count), and it names the GPU and date it was measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .build import render_all, tuning_path, write_dir
+from .families import Tuning
+from .plan import Plan, PlanError, make_plan
+from .spec import Spec, load_spec
+
+VARIANTS = tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4))
+
+
+def _valid(spec: Spec) -> list[tuple[Tuning, Plan]]:
+    out = []
+    for v in VARIANTS:
+        try:
+            out.append((v, make_plan(spec, tuning=v)))
+        except PlanError:
+            continue  # e.g. a ring that static shared memory cannot hold
+    return out
+
+
+def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "generated", write: bool = False,
+             layers: int = 4) -> int:
+    from cuda.core import Device
+
+    from .bench import REPLAYS, _layer_count, _random_weights, _random_x, _Timer
+    from .runtime import load
+
+    spec = load_spec(spec_path)
+    variants = _valid(spec)
+    default = Tuning()
+    tokens = tokens or [1, 8, 64]
+    device = Device()
+    device.set_current()
+    rng = np.random.default_rng()
+    count = max(1, _layer_count(variants[0][1], layers, device) // 2)  # raw and packed weights, both held
+    weights = [_random_weights(variants[0][1], rng) for _ in range(count)]
+    xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
+    timer = _Timer()
+    table: dict[Tuning, dict[int, float]] = {}
+    for tuning, plan in variants:
+        gen = Path(tempfile.mkdtemp()) / spec.name
+        write_dir(gen, render_all(spec, plan))
+        stack = [load(gen, w, device=device) for w in weights]
+        table[tuning] = {}
+        for n in tokens:
+            exe = timer.graph(lambda s, n=n, stack=stack: [layer(x, stream=s) for layer, x in zip(stack, xs[n])])
+            timer.replay(exe)
+            table[tuning][n] = timer.median_ms(lambda exe=exe: timer.replay(exe), REPLAYS) / count * 1e3
+        for layer in stack:
+            layer.close()
+    base = table.get(default) or next(iter(table.values()))
+
+    def score(t: Tuning) -> float:  # geometric mean of the time ratios to the analytic plan
+        return math.exp(statistics.mean(math.log(table[t][n] / base[n]) for n in tokens))
+
+    best = min(table, key=score)
+    print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
+    print(f"{'warps':>5} {'tiles':>5} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
+    for t in table:
+        mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
+        print(f"{t.warps:>5} {t.down_tiles:>5} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
+              + f"   {score(t):>6.3f}{mark}")
+    if write:
+        p = tuning_path(out_root, spec.name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        rec: dict[str, Any] = {"warps": best.warps, "down_tiles": best.down_tiles, "gpu": device.name,
+                               "date": date.today().isoformat(),
+                               "us": {f"{t.warps}x{t.down_tiles}": table[t] for t in table}}
+        p.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"{p}: warps={best.warps}, down_tiles={best.down_tiles} (rebuild the spec to use it)")
+    return 0
