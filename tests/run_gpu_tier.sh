@@ -70,5 +70,5 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for f in "$out"/bench-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
-# the device tool brings back few files: one archive of every log and JSON
+# one archive of every log and JSON, for machines that return only a few files
 if [ -n "${OUT:-}" ]; then (cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.json ./*.txt 2>/dev/null); fi
