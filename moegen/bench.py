@@ -58,11 +58,16 @@ class _Timer:
         _ok(self.drv.cuGraphLaunch(exe, self.stream), "graph launch")
 
 
+def weight_bytes(plan: Plan) -> int:
+    """Bytes of one layer's input tensors (tensors(plan)), as given to Layer.load_weights."""
+    size = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "int32": 4, "uint8": 1}
+    return sum(math.prod(shape) * size[dtype] for shape, dtype in tensors(plan).values())
+
+
 def _layer_count(plan: Plan, wanted: int, device: Any) -> int:
     """Layers per graph replay: `wanted`, fewer where their weights (stored twice while one
     layer loads) would not fit in 60% of the device memory; at least one."""
-    size = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "int32": 4}
-    per_layer = sum(math.prod(shape) * size[dtype] for shape, dtype in tensors(plan).values())
+    per_layer = weight_bytes(plan)
     drv = _driver()
     dev = _ok(drv.cuDeviceGet(int(device.device_id)), "getting the device")
     total = _ok(drv.cuDeviceTotalMem(dev), "querying the device memory")

@@ -52,7 +52,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     device = Device()
     device.set_current()
     rng = np.random.default_rng()
-    count = max(1, _layer_count(variants[0][1], layers, device) // 2)  # raw and packed weights, both held
+    count = max(1, min(layers, _layer_count(variants[0][1], 2 * layers, device) // 2))  # raw and packed weights held
     weights = [_random_weights(variants[0][1], rng) for _ in range(count)]
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
     timer = _Timer()
