@@ -208,11 +208,17 @@ def _nvfp4(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> tuple[n
 
     parts = {f"{prefix}.{k}": t.read(f"{prefix}.{k}", None, what) for k in ("weight", "weight_scale", "weight_scale_2")}
     w = load_nvfp4(parts, f"{prefix}.")
-    if (w.packed.shape[0], w.k) != shape:
-        full = t.full[f"{prefix}.weight"]
-        raise ShapeError(f"{t.files[full]}: {full} holds a [{w.packed.shape[0]}, {w.k}] NVFP4 matrix, expected "
-                         f"{list(shape)} ({what}: uint8 [{shape[0]}, {shape[1] // 2}])")
+    _fp4_shape(t, prefix, (w.packed.shape[0], w.k), shape, what, "NVFP4", "uint8")
     return w.packed, w.scale, w.scale_2[0]
+
+
+def _fp4_shape(t: _Layer, prefix: str, got: tuple[int, int], shape: tuple[int, int], what: str, fmt: str,
+               stored: str) -> None:
+    """An FP4 matrix of the wrong size names its tensor, the size it holds and the form expected."""
+    if got != shape:
+        full = t.full[f"{prefix}.weight"]
+        raise ShapeError(f"{t.files[full]}: {full} holds a [{got[0]}, {got[1]}] {fmt} matrix, expected "
+                         f"{list(shape)} ({what}: {stored} [{shape[0]}, {shape[1] // 2}])")
 
 
 def _per_expert(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
@@ -253,10 +259,7 @@ def _fp4_e8m0(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> Any:
     sname = next((n for n in ("scale", "weight_scale_inv") if f"{prefix}.{n}" in t.full), "scale")
     parts = {f"{prefix}.{k}": t.read(f"{prefix}.{k}", None, what) for k in ("weight", sname)}
     w = load_dsv4_fp4(parts, f"{prefix}.", scale_name=sname)
-    if (w.packed.shape[0], w.k) != shape:
-        full = t.full[f"{prefix}.weight"]
-        raise ShapeError(f"{t.files[full]}: {full} holds a [{w.packed.shape[0]}, {w.k}] FP4 matrix, expected "
-                         f"{list(shape)} ({what}: int8 [{shape[0]}, {shape[1] // 2}])")
+    _fp4_shape(t, prefix, (w.packed.shape[0], w.k), shape, what, "FP4", "int8")
     return w
 
 

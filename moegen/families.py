@@ -50,12 +50,17 @@ class TuningError(ValueError):
     """A tuning the kernels cannot take (moegen.plan turns it into a PlanError)."""
 
 
+def chunk_bytes(mats: int, nt: int, fmt: str) -> int:
+    """Ring bytes of one 32-wide chunk per warp: A fragments of MATS matrices, B of NT token groups."""
+    return int((mats * A_FRAGMENTS[fmt] + nt) * 512)
+
+
 def depth(mats: int, nt: int, fmt: str = "bf16", warps: int = WARPS) -> int:
     """Ring depth: as many 32-wide chunks in flight per warp as static shared memory holds."""
-    chunk_bytes = int((mats * A_FRAGMENTS[fmt] + nt) * 512)  # per warp: A fragments of MATS matrices, B of NT groups
-    fits = STATIC_SMEM // (warps * chunk_bytes)
+    chunk = chunk_bytes(mats, nt, fmt)
+    fits = STATIC_SMEM // (warps * chunk)
     if fits < 2:
-        raise TuningError(f"{warps} warps x 2 chunks of {chunk_bytes} bytes exceed {STATIC_SMEM} bytes of static "
+        raise TuningError(f"{warps} warps x 2 chunks of {chunk} bytes exceed {STATIC_SMEM} bytes of static "
                           f"shared memory ({mats} matrices, {8 * nt} tokens a pass)")
     return min(MAX_DEPTH, fits)
 
@@ -344,7 +349,7 @@ def _warps(c: Layer, mats: int, nt: int, fmt: str) -> int:
     """The tuning's warps per block, halved where the ring of this kernel's token group would not
     fit in static shared memory (the analytic 4 always fits)."""
     w = c.tune.warps
-    while w > WARPS and STATIC_SMEM // (w * int((mats * A_FRAGMENTS[fmt] + nt) * 512)) < 2:
+    while w > WARPS and STATIC_SMEM // (w * chunk_bytes(mats, nt, fmt)) < 2:
         w //= 2
     return w
 

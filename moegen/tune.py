@@ -42,7 +42,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
              layers: int = 4) -> int:
     from cuda.core import Device
 
-    from .bench import REPLAYS, _layer_count, _random_weights, _random_x, _Timer
+    from .bench import _layer_count, _random_weights, _random_x, _Timer, time_stack
     from .runtime import load
 
     spec = load_spec(spec_path)
@@ -63,9 +63,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
         stack = [load(gen, w, device=device) for w in weights]
         table[tuning] = {}
         for n in tokens:
-            exe = timer.graph(lambda s, n=n, stack=stack: [layer(x, stream=s) for layer, x in zip(stack, xs[n])])
-            timer.replay(exe)
-            table[tuning][n] = timer.median_ms(lambda exe=exe: timer.replay(exe), REPLAYS) / count * 1e3
+            table[tuning][n] = time_stack(timer, stack, xs[n])
         for layer in stack:
             layer.close()
     base = table.get(default) or next(iter(table.values()))

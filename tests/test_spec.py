@@ -95,15 +95,19 @@ def test_catalog_spec_loads(path: Path):
     assert first.startswith("# ") and len(first) > 10, "each spec opens with a one-line comment"
 
 
-@pytest.mark.parametrize("stem", sorted(MODELS))
-def test_catalog_matches_models_md(stem: str):
-    h, e, k, i, shared, renorm, scale = MODELS[stem]
-    spec = load_spec(SPECS / f"{stem}.yaml")
+def _check_shape(spec: Spec, h: int, e: int, k: int, i: int, shared: tuple | None) -> None:
     assert (spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size) == (h, e, k, i)
     if shared is None:
         assert spec.shared_expert is None
     else:
         assert (spec.shared_expert.intermediate_size, spec.shared_expert.gate) == shared
+
+
+@pytest.mark.parametrize("stem", sorted(MODELS))
+def test_catalog_matches_models_md(stem: str):
+    h, e, k, i, shared, renorm, scale = MODELS[stem]
+    spec = load_spec(SPECS / f"{stem}.yaml")
+    _check_shape(spec, h, e, k, i, shared)
     r = spec.routing
     assert (r.renormalize, r.routed_scaling_factor) == (renorm, scale)
     assert (r.score.value, r.select.value, spec.router.logits_dtype) == ("softmax", "scores", "fp32")
@@ -122,11 +126,7 @@ def _value(spec: Spec, dotted: str):
 def test_catalog_routing_rules_match_models_md(stem: str):
     h, e, k, i, shared, renorm, scale, fields = RULES[stem]
     spec = load_spec(SPECS / f"{stem}.yaml")
-    assert (spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size) == (h, e, k, i)
-    if shared is None:
-        assert spec.shared_expert is None
-    else:
-        assert (spec.shared_expert.intermediate_size, spec.shared_expert.gate) == shared
+    _check_shape(spec, h, e, k, i, shared)
     assert (spec.routing.renormalize, spec.routing.routed_scaling_factor) == (renorm, scale)
     assert spec.experts.format.value == "bf16" and spec.router.logits_dtype == "fp32"
     for dotted, want in fields.items():

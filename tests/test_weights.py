@@ -105,6 +105,26 @@ def test_mxfp4_pack_roundtrip(interleaved):
     assert tiles.shape == (e, pw.rows_padded // 16 // (2 if interleaved else 1), k // 32, 2, 16)
 
 
+def _fp4_fragment(word: int) -> list[float]:
+    """The 8 bf16 values of one lane's k-step, as the kernel converts its 4 bytes."""
+    return [v for r in _e2m1x8_to_bf16x8(int(word)) for v in _bf16x2(r)]
+
+
+def _lane_dot(a: list[float], b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One lane's m16n8k16 contribution for its k-step: to row g (a0, a1, a4, a5) and to row g+8
+    (a2, a3, a6, a7), against its 4 columns of x (b: [tokens, 4])."""
+    return (a[0] * b[:, 0] + a[1] * b[:, 1] + a[4] * b[:, 2] + a[5] * b[:, 3],
+            a[2] * b[:, 0] + a[3] * b[:, 1] + a[6] * b[:, 2] + a[7] * b[:, 3])
+
+
+def _check_tile(got: np.ndarray, w: np.ndarray, r0: int, rows: int, x: np.ndarray) -> None:
+    """A 16-row tile's product against rows r0.. of the dequantized matrix w (zero past `rows`)."""
+    r1 = max(min(r0 + 16, rows), r0)
+    want, scale = np.zeros((16, len(x))), np.zeros((16, len(x)))
+    want[: r1 - r0], scale[: r1 - r0] = w[r0:r1] @ x.T, np.abs(w[r0:r1]) @ np.abs(x).T
+    _close(got, want, scale)
+
+
 def _close(got: np.ndarray, want: np.ndarray, scale: np.ndarray) -> None:
     """Equal up to float64 rounding of the sums: 1e-12 of the sum of the terms' magnitudes (a
     relative test alone fails where the terms cancel)."""
@@ -186,18 +206,14 @@ def test_mxfp4_tile_product_as_the_kernel_reads_it():
                         g, t = lane // 4, lane % 4
                         s_lo, s_hi = e8m0_decode(tiles[ex, tile, c, mt, [g, g + 8]]).astype(np.float64)
                         for s in range(2):
-                            a = [v for r in _e2m1x8_to_bf16x8(int(words[ex, tile, c, 0, lane, mt, s]))
-                                 for v in _bf16x2(r)]
-                            b = x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4]
-                            d[mt, g] += s_lo * (a[0] * b[:, 0] + a[1] * b[:, 1] + a[4] * b[:, 2] + a[5] * b[:, 3])
-                            d[mt, g + 8] += s_hi * (a[2] * b[:, 0] + a[3] * b[:, 1] + a[6] * b[:, 2] + a[7] * b[:, 3])
+                            a = _fp4_fragment(words[ex, tile, c, 0, lane, mt, s])
+                            lo, hi = _lane_dot(a, x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4])
+                            d[mt, g] += s_lo * lo
+                            d[mt, g + 8] += s_hi * hi
             for mt, src in enumerate(pw.sources):
                 w = E2M1_VALUES[codes[src][ex]].astype(np.float64)
                 w *= np.repeat(e8m0_decode(sc[f"{src}_scale"][ex]).astype(np.float64), 32, axis=-1)
-                r0, r1 = tile * 16, min(tile * 16 + 16, rows)
-                want, scale = np.zeros((16, 3)), np.zeros((16, 3))
-                want[: r1 - r0], scale[: r1 - r0] = w[r0:r1] @ x.T, np.abs(w[r0:r1]) @ np.abs(x).T
-                _close(d[mt], want, scale)
+                _check_tile(d[mt], w, tile * 16, rows, x)
 
 
 def _e4m3(b: np.ndarray) -> np.ndarray:
@@ -242,21 +258,16 @@ def test_nvfp4_tile_product_as_the_kernel_reads_it(interleaved):
                         base = (c * 2 + mt) * 32 + (t // 2) * 16
                         f_lo, f_hi = _e4m3(tb[[base + g, base + g + 8]])
                         for s in range(2):
-                            a = [v for r in _e2m1x8_to_bf16x8(int(words[ex, tile, c, 0, lane, mt, s]))
-                                 for v in _bf16x2(r)]
+                            a = _fp4_fragment(words[ex, tile, c, 0, lane, mt, s])
                             a = [v * (f_lo if i in (0, 1, 4, 5) else f_hi) for i, v in enumerate(a)]
                             assert all(float(np.float64(v).astype(ml_dtypes.bfloat16)) == v for v in a)  # exact
-                            s_lo = s_hi = 1.0
-                            b = x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4]
-                            d[mt, g] += s_lo * (a[0] * b[:, 0] + a[1] * b[:, 1] + a[4] * b[:, 2] + a[5] * b[:, 3])
-                            d[mt, g + 8] += s_hi * (a[2] * b[:, 0] + a[3] * b[:, 1] + a[6] * b[:, 2] + a[7] * b[:, 3])
+                            lo, hi = _lane_dot(a, x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4])
+                            d[mt, g] += lo
+                            d[mt, g + 8] += hi
             d *= s2[:, None, None]
             for mt in range(2):
                 src = pw.sources[0 if interleaved else mt]
                 w = E2M1_VALUES[codes[src][ex]].astype(np.float64)
-                w *= np.repeat(_e4m3(sc[f"{src}_scale"][ex].view(np.uint8)), 16, axis=-1) * float(sc[f"{src}_scale_2"][ex])
-                r0 = (tile * 2 + mt) * 16 if interleaved else tile * 16
-                r1 = min(r0 + 16, rows)
-                want, scale = np.zeros((16, 3)), np.zeros((16, 3))
-                want[: max(r1 - r0, 0)], scale[: max(r1 - r0, 0)] = w[r0:r1] @ x.T, np.abs(w[r0:r1]) @ np.abs(x).T
-                _close(d[mt], want, scale)
+                scale = np.repeat(_e4m3(sc[f"{src}_scale"][ex].view(np.uint8)), 16, axis=-1)
+                w *= scale * float(sc[f"{src}_scale_2"][ex])
+                _check_tile(d[mt], w, (tile * 2 + mt) * 16 if interleaved else tile * 16, rows, x)
