@@ -96,8 +96,8 @@ def _check_hash_table(table: np.ndarray, experts: int) -> None:
 
 def to_host(obj: Any, name: str = "array") -> np.ndarray:
     """A NumPy copy of any host or device array (bf16 arrives as ml_dtypes.bfloat16)."""
-    if isinstance(obj, np.ndarray):
-        return obj
+    if isinstance(obj, (np.ndarray, np.generic)):  # a NumPy scalar (e.g. a scale_2) is a 0-d array
+        return np.asarray(obj)
     v = view(obj, name)
     dtype = np.dtype(W.BF16) if v.dtype == "bfloat16" else np.dtype(v.dtype)
     out = np.empty(v.shape, dtype)
@@ -221,8 +221,8 @@ class Layer:
         return W.pack_fp8(pw, codes), W.fp8_scales(pw, scales)
 
     def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:
-        if isinstance(obj, np.ndarray):
-            return obj.shape, obj.dtype.name, False
+        if isinstance(obj, (np.ndarray, np.generic)):  # NumPy scalars: 0-d host arrays
+            return np.shape(obj), np.asarray(obj).dtype.name, False
         v = view(obj, key)
         return v.shape, v.dtype, v.on_device
 

@@ -170,6 +170,19 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
             assert dict(zip(k.arg_keys, args)).get("n", n) == n
 
 
+def test_numpy_scalars_are_0d_weights(fake_cuda):
+    """A per-matrix scale given as a NumPy scalar (a shared expert's NVFP4 scale_2, as loaders
+    index it out of a [1] tensor) is a 0-d host array, not a foreign object."""
+    drv, _ = fake_cuda
+    plan = make_plan(dict(SPECS)["nvfp4"])
+    w = _host_weights(plan)
+    for k in [k for k in w if k.startswith("shared_expert.") and k.endswith("_scale_2")]:
+        w[k] = np.float32(w[k])
+        assert not isinstance(w[k], np.ndarray)
+    _layer(plan).load_weights(w)
+    assert drv.copies
+
+
 def test_hash_layers_need_token_ids(fake_cuda):
     plan = make_plan(parse_spec({**BASE, **CASES["hash"]}, check_generated=False))
     layer = _layer(plan)
