@@ -50,9 +50,14 @@ class TuningError(ValueError):
     """A tuning the kernels cannot take (moegen.plan turns it into a PlanError)."""
 
 
+# 16-byte units of scales per matrix and chunk in the ring (FP8: one fp32 per matrix, rounded up)
+SCALE_UNITS = {"bf16": 0, "fp8_block": 0.25, "mxfp4": 1, "nvfp4": 2}
+
+
 def chunk_bytes(mats: int, nt: int, fmt: str) -> int:
-    """Ring bytes of one 32-wide chunk per warp: A fragments of MATS matrices, B of NT token groups."""
-    return int((mats * A_FRAGMENTS[fmt] + nt) * 512)
+    """Ring bytes of one 32-wide chunk per warp: A fragments of MATS matrices, B of NT token
+    groups, and the chunk's scales (TileGemv::SCU)."""
+    return int((mats * A_FRAGMENTS[fmt] + nt) * 512) + 16 * math.ceil(mats * SCALE_UNITS[fmt])
 
 
 def depth(mats: int, nt: int, fmt: str = "bf16", warps: int = WARPS) -> int:

@@ -17,12 +17,6 @@ if os.environ.get("MOEGEN_TIER_SPECS"):  # e.g. "qwen3-30b-a3b,mixtral-8x7b": a 
 elif os.environ.get("MOEGEN_TIER_PART") in ("1", "2"):  # every other spec: two halves of similar cost
     _keep = {p.stem for p in SPECS[int(os.environ["MOEGEN_TIER_PART"]) - 1::2]}
     SPECS = [p for p in SPECS if p.stem in _keep]
-# Specs of kernels that compile but await their GPU check (the spec refuses them): built without
-# that check. The GPU tier runs the ones whose random weights are quick to make.
-PENDING = sorted((ROOT / "tests" / "data" / "pending").glob("*.yaml"))
-PENDING_TIER = [p for p in PENDING if p.stem in ("qwen3-30b-a3b-mxfp4", "qwen3-30b-a3b-nvfp4", "gpt-oss-20b-mxfp4")
-                and (p.stem in _keep if os.environ.get("MOEGEN_TIER_SPECS")
-                     else os.environ.get("MOEGEN_TIER_PART", "1") == "1")]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -68,6 +68,23 @@ MOE_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
 }
+// 4 bytes through L1 (an FP8 block scale; neighbouring chunks share it).
+MOE_DEVICE void cp_async4(void* smem, const void* gmem) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+}
+// Scales from shared memory by explicit ld.shared (plain loads here made ptxas spill in the FP8
+// and MXFP4 down kernels).
+MOE_DEVICE float lds_f32(u32 addr) {
+  float f;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(addr));
+  return f;
+}
+MOE_DEVICE u32 lds_u8(u32 addr) {
+  u32 b;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(b) : "r"(addr));
+  return b;
+}
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -82,7 +99,10 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 //
 // Warps split K (chunks warp, warp+WARPS, ...). Each lane copies its own 16-byte fragments
 // into a DEPTH-deep shared-memory ring with cp.async and reads back only what it copied, so
-// DEPTH-1 chunks per warp stay in flight without any barrier. Each warp's partial sums go to
+// DEPTH-1 chunks per warp stay in flight without any block barrier. The scales of a quantized
+// chunk travel in the same ring, DEPTH-1 chunks ahead like the codes (a load at use would put
+// one memory latency on every chunk): a few lanes copy them, and the warp reads them after a
+// __syncwarp (and another before the slot is refilled). Each warp's partial sums go to
 // shared memory and are added in warp order: the result depends neither on timing nor on the
 // other tokens.
 // Weight formats of the packed tiles: bf16 (2 fragments of 16 bytes per lane and chunk) or FP8
@@ -168,7 +188,12 @@ struct TileGemv {
   static constexpr int AU = FP4 ? MATS / 2 : MATS * AF;
   static_assert(!FP4 || MATS % 2 == 0, "FP4 tiles pair their matrices");
   static constexpr int FRAGS = AU + NT;  // 16-byte fragments per lane per chunk
-  static constexpr int RING_U4 = WARPS * DEPTH * FRAGS * 32;
+  // 16-byte units of scales per chunk (the warp's, not a lane's): MXFP4 MATS x 16 E8M0 bytes,
+  // NVFP4 MATS x 2 x 16 e4m3 bytes, FP8 one fp32 per matrix.
+  static constexpr int SCU = FMT == MOE_W_MXFP4 ? MATS : FMT == MOE_W_NVFP4 ? 2 * MATS
+                             : FMT == MOE_W_FP8_BLOCK ? (MATS * 4 + 15) / 16 : 0;
+  static_assert(SCU <= 32 && (FMT != MOE_W_FP8_BLOCK || MATS <= 32), "a chunk's scales: one copy per lane at most");
+  static constexpr int RING_U4 = WARPS * DEPTH * (FRAGS * 32 + SCU);
   static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
   static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
 
@@ -203,6 +228,7 @@ struct TileGemv {
         for (int i = 0; i < 4; ++i) acc[j][mt][i] = 0.0f;
 
     uint4* ring = smem + warp * DEPTH * FRAGS * 32 + lane;
+    uint4* sring = smem + WARPS * DEPTH * FRAGS * 32 + warp * DEPTH * SCU;  // the warp's scales
     const int mine = (KC - warp + WARPS - 1) / WARPS;  // chunks warp, warp + WARPS, ...
     auto issue = [&](int i) {
       if (i < mine) {
@@ -212,15 +238,24 @@ struct TileGemv {
         for (int f = 0; f < AU; ++f) cp_async16(st + f * 32, a + ((size_t)c * AU + f) * 32 + lane, true);
 #pragma unroll
         for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
+        uint4* ss = sring + (i % DEPTH) * SCU;
+        if (FMT == MOE_W_FP8_BLOCK) {  // matrix mt's 128-wide K block of chunk c
+          if (lane < MATS) cp_async4(reinterpret_cast<float*>(ss) + lane, scale + lane * scale_stride + c / 4);
+        } else if (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
+          if (lane < SCU) cp_async16(ss + lane, reinterpret_cast<const uint4*>(scale) + (size_t)c * SCU + lane, true);
+        }
       }
       cp_async_commit();  // an empty group past the end keeps the wait count uniform
     };
 #pragma unroll
     for (int i = 0; i < DEPTH - 1; ++i) issue(i);
     for (int i = 0; i < mine; ++i) {
+      if (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
       issue(i + DEPTH - 1);
       cp_async_wait<DEPTH - 1>();
+      if (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
       const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
+      const u32 sb = (u32)__cvta_generic_to_shared(sring + (i % DEPTH) * SCU);  // this chunk's scales
       uint4 av[AU], bv[NT];
 #pragma unroll
       for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
@@ -235,12 +270,11 @@ struct TileGemv {
             mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
           }
       } else if (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
-        const unsigned char* sb = reinterpret_cast<const unsigned char*>(scale) + (size_t)(warp + i * WARPS) * MATS * 16;
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt / 2];  // matrix 2p: k-steps in x, y; matrix 2p+1: in z, w
           const uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
-          const float s_lo = e8m0_to_f32(__ldg(sb + mt * 16 + g)), s_hi = e8m0_to_f32(__ldg(sb + mt * 16 + g + 8));
+          const float s_lo = e8m0_to_f32(lds_u8(sb + mt * 16 + g)), s_hi = e8m0_to_f32(lds_u8(sb + mt * 16 + g + 8));
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -257,13 +291,12 @@ struct TileGemv {
         // the module comment says), so each code is scaled by its row's e4m3 scale before the
         // tensor cores, in bf16, exactly: e2m1 x e4m3 has at most 6 significant bits. scale_2
         // multiplies the finished sums.
-        const unsigned char* sb = reinterpret_cast<const unsigned char*>(scale) + (size_t)(warp + i * WARPS) * MATS * 32;
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt / 2];
           uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
-          const float f_lo = e4m3_to_f32(__ldg(sb + mt * 32 + (t >> 1) * 16 + g));
-          const float f_hi = e4m3_to_f32(__ldg(sb + mt * 32 + (t >> 1) * 16 + g + 8));
+          const float f_lo = e4m3_to_f32(lds_u8(sb + mt * 32 + (t >> 1) * 16 + g));
+          const float f_hi = e4m3_to_f32(lds_u8(sb + mt * 32 + (t >> 1) * 16 + g + 8));
           const u32 s_lo = pack_bf16x2(f_lo, f_lo), s_hi = pack_bf16x2(f_hi, f_hi);
           k0 = make_uint4(mul_bf16x2(k0.x, s_lo), mul_bf16x2(k0.y, s_hi), mul_bf16x2(k0.z, s_lo), mul_bf16x2(k0.w, s_hi));
           k1 = make_uint4(mul_bf16x2(k1.x, s_lo), mul_bf16x2(k1.y, s_hi), mul_bf16x2(k1.z, s_lo), mul_bf16x2(k1.w, s_hi));
@@ -274,7 +307,6 @@ struct TileGemv {
           }
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
-        const int c = warp + i * WARPS;
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt];
@@ -282,7 +314,7 @@ struct TileGemv {
                                       e4m3x2_to_bf16x2(q.y >> 16));
           const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
                                       e4m3x2_to_bf16x2(q.w >> 16));
-          const float sc = __ldg(scale + mt * scale_stride + c / 4);
+          const float sc = lds_f32(sb + 4 * mt);
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -830,12 +862,11 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
   grid_dep_wait();
   grid_dep_launch();
-  const int slots = *num_slots;
   int group;
   if (blockIdx.x < routed_blocks) {
     const int slot = blockIdx.x / TH;
     group = blockIdx.x % TH;
-    if (slot >= slots) return;
+    if (slot >= *num_slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
     const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
     const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s2, (size_t)e * TH + group, KC, TPB)
@@ -873,7 +904,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int expect = slots + (KCS > 0 ? 1 : 0);
+    const int expect = *num_slots + (KCS > 0 ? 1 : 0);  // read again: not held across the GEMV
     is_last = atomicAdd(&tile_done[group], 1) == expect - 1;
     if (is_last) tile_done[group] = 0;  // every block of this group has counted: ready for the next call
   }
