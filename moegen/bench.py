@@ -109,6 +109,8 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
                          else rng.integers(0, 256, shape)).astype(np.uint8)
         elif dtype == "int32":  # a hash table: k distinct random experts per row
             out[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
+        elif name == "gate.e_score_correction_bias":  # a tenth of the scores' spread (1/E for softmax)
+            out[name] = (0.1 / plan.scored if ("int", "SCORE", "MOE_SCORE_SOFTMAX") in plan.route_rule else 0.01) * rng.standard_normal(shape, np.float32)
         elif dtype == "float32":  # biases and norm weights
             out[name] = (1.0 if name.endswith("norm.weight") else 0.0) + 0.1 * rng.standard_normal(shape, np.float32)
         elif torch is not None:
