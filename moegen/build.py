@@ -90,7 +90,10 @@ def read_tuning(out_root: str | Path, name: str) -> Tuning | None:
         return None
     try:
         d = json.loads(p.read_text())
-        return Tuning(warps=int(d["warps"]), down_tiles=int(d["down_tiles"]))
+        prefetch = d.get("prefetch", False)
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch is {prefetch!r}, not true or false")
+        return Tuning(warps=int(d["warps"]), down_tiles=int(d["down_tiles"]), prefetch=prefetch)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BuildError(f"{p}: not a tuning file ({exc}); expected {{\"warps\": 4, \"down_tiles\": 2, ...}} "
                          "as moegen tune --write writes it (delete it to use the analytic plan)") from None

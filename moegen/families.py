@@ -74,11 +74,15 @@ def depth(mats: int, nt: int, fmt: str = "bf16", warps: int = WARPS) -> int:
 class Tuning:
     """Choices the analytic plan makes that a measurement on the GPU may revise (`moegen tune`):
     warps per gate/up and down block (K is split over them; fewer where a kernel's ring would not
-    fit, see _warps), and 16-row tiles per down block. The defaults are the analytic plan's;
-    kernel names carry any other value."""
+    fit, see _warps), 16-row tiles per down block, and whether down blocks prefetch their weights
+    into L2 before waiting for gate/up. The defaults are the analytic plan's; kernel names carry
+    any other value."""
 
     warps: int = WARPS
     down_tiles: int = DOWN_TILES
+    # Down blocks that start early (programmatic dependent launch, while gate/up still runs) ask
+    # L2 for their weight tile before they wait: the down weights stream during gate/up.
+    prefetch: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -327,9 +331,10 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
             + ("_winput" if c.woi else "") + c.ep_tag)
     w, t = _warps(c, c.tune.down_tiles, max(nt, nts), c.fmt_e), c.tune.down_tiles
-    name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + f"_{c.spec.arch}"
+    name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + ("_pf" if c.tune.prefetch else "") + f"_{c.spec.arch}"
     targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.fmt_e, w), t,
-                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s])
+                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s],
+             str(c.e_local), _b(c.tune.prefetch))
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
             ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
             ("const bf16_t* __restrict__ act", "act", "ws.act"), ("const bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),

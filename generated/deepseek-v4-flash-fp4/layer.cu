@@ -85,6 +85,10 @@ MOE_DEVICE u32 lds_u8(u32 addr) {
   asm volatile("ld.shared.u8 %0, [%1];" : "=r"(b) : "r"(addr));
   return b;
 }
+// Ask L2 for `bytes` (a multiple of 16) from p (16-byte aligned), without waiting for them.
+MOE_DEVICE void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -842,7 +846,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
 // NVFP4: s2 per row group e4m3 bytes [chunk][TPB tiles][2 blocks of 16][16 rows], then TPB scale_2.
 template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
-          int FMT, int FMTS>
+          int FMT, int FMTS, int E_LOCAL, bool PREFETCH>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
                           const float* __restrict__ s2, const float* __restrict__ ss2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
@@ -860,6 +864,17 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
   const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
+  if (PREFETCH && blockIdx.x < routed_blocks && threadIdx.x == 0) {
+    // Before the wait, while gate/up may still run: this block's weight tile into L2. The routing
+    // is complete here (gate/up's routed blocks let this grid start only after their own wait on
+    // it); read past L1 all the same. A hint only: results never depend on it, and the expert
+    // index is clamped so that the address stays inside the weights whatever was read.
+    const int slot = blockIdx.x / TH;
+    if (slot < __ldcg(num_slots)) {
+      const int e = min(max(__ldcg(slot_expert + slot), 0), E_LOCAL - 1);
+      prefetch_l2(w2 + ((size_t)e * TH + blockIdx.x % TH) * KC * GR::AU * 32, KC * GR::AU * 512);
+    }
+  }
   grid_dep_wait();
   grid_dep_launch();
   int group;
@@ -1030,7 +1045,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_n
 }
 // down: expert slots x 256 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_nt1_mxfp4_si2048_nts1_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<64, 64, 1, 1, 4, 8, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<64, 64, 1, 1, 4, 8, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 256 rows x 4096, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -1042,7 +1057,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_n
 }
 // down: expert slots x 256 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_nt2_mxfp4_si2048_nts2_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<64, 64, 2, 2, 4, 7, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<64, 64, 2, 2, 4, 7, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 256 rows x 4096, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -1054,5 +1069,5 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_n
 }
 // down: expert slots x 256 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_nt4_mxfp4_si2048_nts4_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<64, 64, 4, 4, 4, 4, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<64, 64, 4, 4, 4, 4, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
