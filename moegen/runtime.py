@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,34 @@ def to_host(obj: Any, name: str = "array") -> np.ndarray:
     return out
 
 
+def _by_experts(pieces: Mapping[str, list[tuple[str, Any]]], sources: tuple[str, ...],
+                pack: Callable[[dict[str, np.ndarray]], np.ndarray], step: int = 8) -> np.ndarray:
+    """pack({source: uint8 codes [E, R, K']}) for expert-stacked weights, `step` experts at a time
+    on a thread pool (NumPy's copies release the GIL: packing a large checkpoint's codes is a
+    strided permutation of gigabytes), into one array; a matrix without an expert axis at once."""
+    hosts = {src: [to_host(obj, key) for key, obj in pieces[src]] for src in sources}
+
+    def codes(src: str, a: int, b: int) -> np.ndarray:
+        parts = hosts[src]
+        c = np.stack(parts[a:b]) if len(parts) > 1 else parts[0][a:b]
+        return np.ascontiguousarray(c).view(np.uint8)
+
+    first = hosts[sources[0]]
+    if len(first) == 1 and first[0].ndim == 2:  # the shared expert: no expert axis
+        return pack({src: np.ascontiguousarray(hosts[src][0]).view(np.uint8) for src in sources})
+    n = len(first) if len(first) > 1 else first[0].shape[0]
+    head = pack({src: codes(src, 0, min(step, n)) for src in sources})
+    out = np.empty((n, *head.shape[1:]), head.dtype)
+    out[: len(head)] = head
+
+    def fill(a: int) -> None:
+        out[a : a + step] = pack({src: codes(src, a, min(a + step, n)) for src in sources})
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(step, n, step)))
+    return out
+
+
 class Layer:
     """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
 
@@ -211,14 +240,13 @@ class Layer:
         if pw.format in ("mxfp4", "nvfp4"):
             from .formats import unpack_nibbles
 
-            nib = {src: unpack_nibbles(np.ascontiguousarray(whole(src)).view(np.uint8)) for src in pw.sources}
             extra = ("_scale", "_scale_2") if pw.format == "nvfp4" else ("_scale",)
             scale = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in extra}
             tiles = W.nv_scale_tiles if pw.format == "nvfp4" else W.mx_scale_tiles
-            return W.pack_fp4(pw, nib), tiles(pw, scale)
-        codes = {src: np.ascontiguousarray(whole(src)).view(np.uint8) for src in pw.sources}
+            codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp4(pw, {k: unpack_nibbles(v) for k, v in c.items()}))
+            return codes, tiles(pw, scale)
         scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
-        return W.pack_fp8(pw, codes), W.fp8_scales(pw, scales)
+        return _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c)), W.fp8_scales(pw, scales)
 
     def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:
         if isinstance(obj, (np.ndarray, np.generic)):  # NumPy scalars: 0-d host arrays

@@ -3,9 +3,9 @@
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
 #   bash tests/run_gpu_tier.sh            everything (about 15 minutes on one H200)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
-#   bash tests/run_gpu_tier.sh tier1      half of it (every other spec, and the pending FP4 layers); tier2 the rest
-#   bash tests/run_gpu_tier.sh checks     the feature, FP4, expert-parallel and oracle tests; sanitizers
-#   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, and of the FP4 specs pending
+#   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest
+#   bash tests/run_gpu_tier.sh checks     the feature (FP4 included), expert-parallel and oracle tests; sanitizers
+#   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models and of the quantized layers
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
 #   bash tests/run_gpu_tier.sh tune       moegen tune of the fine-grained models (variants of warps and down tiles)
@@ -61,11 +61,10 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for s in qwen3-30b-a3b qwen3-next-80b-a3b mixtral-8x7b; do
     run "bench-$s" bench "specs/$s.yaml" --tokens 1,2,8,64,256 --stages --compare --json "$out/bench-$s.json"
   done
-  for s in qwen3-30b-a3b-fp8 deepseek-v3-fp8 longcat-flash gpt-oss-120b; do
-    run "bench-$s" bench "specs/$s.yaml" --tokens 1,64 --stages --json "$out/bench-$s.json"
-  done
-  for s in qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-nvfp4 deepseek-v3-nvfp4 gpt-oss-120b-mxfp4; do
-    run "bench-$s" bench "tests/data/pending/$s.yaml" --pending --tokens 1,8,64 --stages --json "$out/bench-$s.json"
+  # the quantized layers (host packing of FP4 takes a while for each of the 4 layers per replay)
+  for s in qwen3-30b-a3b-fp8 qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-nvfp4 deepseek-v3-fp8 deepseek-v3-nvfp4 \
+           gpt-oss-120b-mxfp4 longcat-flash gpt-oss-120b; do
+    run "bench-$s" bench "specs/$s.yaml" --tokens 1,8,64 --stages --json "$out/bench-$s.json"
   done
   for f in "$out"/bench-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
 fi

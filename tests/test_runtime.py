@@ -238,3 +238,24 @@ def test_close_frees_everything(fake_cuda):
     assert drv.live == {}, "device memory left allocated"
     with pytest.raises(RuntimeError, match="no weights"):
         layer(FakeArray((1, plan.hidden), "bfloat16"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4"])
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_codes_packed_by_expert_chunks_equal_one_pack(fmt, per_expert):
+    """The runtime packs quantized codes a few experts at a time on threads: the result is the
+    whole-array pack, for stacked and for per-expert tensors, with a last chunk that is short."""
+    from moegen import weights as W
+    from moegen.formats import unpack_nibbles
+
+    spec = parse_spec({**BASE, "experts": {"count": 19, "top_k": 2, "intermediate_size": 256, "format": fmt}})
+    plan = make_plan(spec)
+    pw = next(w for w in plan.weights if w.name == "w13")
+    codes = {src: np.random.default_rng().integers(0, 256, tensors(plan)[src][0], dtype=np.uint8) for src in pw.sources}
+    pieces = {src: [(f"{src}.{e}", c[e]) for e in range(len(c))] if per_expert else [(src, c)]
+              for src, c in codes.items()}
+    pack = W.pack_fp8 if fmt == "fp8_block" else (
+        lambda p, c: W.pack_fp4(p, {k: unpack_nibbles(v) for k, v in c.items()}))
+    want = pack(pw, codes)
+    got = runtime._by_experts(pieces, pw.sources, lambda c: pack(pw, c), step=4)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
