@@ -102,6 +102,10 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
     for name, (shape, dtype) in tensors(plan).items():
         if name.endswith("_scale_inv"):
             out[name] = rng.uniform(0.5, 1.0, shape).astype(np.float32) / 448.0
+        elif name.endswith("_input_scale"):  # FP8 per-tensor: activations of O(1) within +-448 steps
+            out[name] = np.full(shape, 5.0 / 448.0, np.float32)
+        elif name.endswith("_scale") and dtype == "float32":  # FP8 per-tensor weight scale: codes of 64 w
+            out[name] = np.full(shape, 1.0 / 64.0, np.float32)
         elif dtype == "uint8":  # FP4: random e2m1 pairs; MXFP4's E8M0 scales near 1/sqrt(K)
             k = shape[-1] * (2 if not name.endswith("_scale") else 32)
             lo = 127 - int(math.log2(math.sqrt(k))) - 3
@@ -144,6 +148,8 @@ def floor_bytes(plan: Plan, n: int, distinct_experts: int) -> int:
     def matrix(rows: int, cols: int, f: str) -> int:
         if f == "fp8_block":
             return rows * cols + 4 * -(-rows // 128) * -(-cols // 128)
+        if f == "fp8_tensor":  # a byte per weight, two fp32 scales per matrix
+            return rows * cols + 8
         if f == "mxfp4":  # half a byte per weight, one E8M0 byte per 32
             return rows * cols // 2 + rows * cols // 32
         if f == "nvfp4":  # half a byte per weight, one e4m3 byte per 16

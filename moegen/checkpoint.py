@@ -212,6 +212,18 @@ def _nvfp4(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> tuple[n
     return w.packed, w.scale, w.scale_2[0]
 
 
+def _fp8_tensor(t: _Layer, prefix: str, shape: tuple[int, int], what: str) -> tuple[np.ndarray, ...]:
+    """ModelOpt FP8 per-tensor (format d) `{prefix}.weight` e4m3 [R, K] / `.weight_scale` /
+    `.input_scale` as stored (checked by moegen.quant.load_fp8_tensor): the kernels quantize their
+    inputs by the static input scale, so it is required."""
+    from .quant import load_fp8_tensor
+
+    parts = {f"{prefix}.{k}": t.read(f"{prefix}.{k}", shape if k == "weight" else None, what)
+             for k in ("weight", "weight_scale", "input_scale")}
+    w = load_fp8_tensor(parts, f"{prefix}.")
+    return w.q, w.scale, w.input_scale
+
+
 def _fp4_shape(t: _Layer, prefix: str, got: tuple[int, int], shape: tuple[int, int], what: str, fmt: str,
                stored: str) -> None:
     """An FP4 matrix of the wrong size names its tensor, the size it holds and the form expected."""
@@ -230,6 +242,11 @@ def _per_expert(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
         if spec.experts.format.value == "nvfp4":  # kept as stored, gate and up each with its scale_2
             parts = [_nvfp4(t, f"experts.{x}.{name}", shape, f"expert {x} {proj}") for x in range(e)]
             for suffix, j in (("", 0), ("_scale", 1), ("_scale_2", 2)):
+                out[f"experts.{proj}{suffix}"] = np.stack([p[j] for p in parts])
+            continue
+        if spec.experts.format.value == "fp8_tensor":  # ModelOpt FP8: codes, weight and input scales
+            parts = [_fp8_tensor(t, f"experts.{x}.{name}", shape, f"expert {x} {proj}") for x in range(e)]
+            for suffix, j in (("", 0), ("_scale", 1), ("_input_scale", 2)):
                 out[f"experts.{proj}{suffix}"] = np.stack([p[j] for p in parts])
             continue
         if spec.experts.format.value == "mxfp4":  # DeepSeek-V4 FP4 per expert: kept as stored
@@ -274,6 +291,11 @@ def _shared(t: _Layer, spec: Spec) -> dict[str, np.ndarray]:
             w, sc, s2 = _nvfp4(t, f"{prefix}.{name}", shape, f"shared expert {proj}")
             out.update({f"shared_expert.{proj}": w, f"shared_expert.{proj}_scale": sc,
                         f"shared_expert.{proj}_scale_2": s2})
+            continue
+        if spec.shared_expert.format.value == "fp8_tensor":
+            w, sc, si = _fp8_tensor(t, f"{prefix}.{name}", shape, f"shared expert {proj}")
+            out.update({f"shared_expert.{proj}": w, f"shared_expert.{proj}_scale": sc,
+                        f"shared_expert.{proj}_input_scale": si})
             continue
         out[f"shared_expert.{proj}"] = t.read(f"{prefix}.{name}.weight", shape, f"shared expert {proj}")
         if f"{prefix}.{name}.weight_scale_inv" in t.full:

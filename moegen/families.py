@@ -31,8 +31,9 @@ def route_threads(scored: int) -> int:
     return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
-A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
-FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}
+A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "fp8_tensor": "MOE_W_FP8_TENSOR",
+             "mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}
 SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID",
                "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS", "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
 ACT_MACRO = {"silu_gated": "MOE_ACT_SILU", "gelu_gated": "MOE_ACT_GELU",
@@ -51,7 +52,7 @@ class TuningError(ValueError):
 
 
 # 16-byte units of scales per matrix and chunk in the ring (FP8: one fp32 per matrix, rounded up)
-SCALE_UNITS = {"bf16": 0, "fp8_block": 0.25, "mxfp4": 1, "nvfp4": 2}
+SCALE_UNITS = {"bf16": 0, "fp8_block": 0.25, "fp8_tensor": 0, "mxfp4": 1, "nvfp4": 2}
 
 
 def chunk_bytes(mats: int, nt: int, fmt: str) -> int:

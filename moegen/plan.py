@@ -91,10 +91,12 @@ class PackedWeight:
     rows_padded: int
     cols: int
     # "fp8_block": e4m3 codes, 16 bytes per lane and chunk, fp32 128x128 block scales;
+    # "fp8_tensor": the same codes, an fp32 weight scale and static input scale per matrix;
     # "mxfp4" / "nvfp4": e2m1 codes, 8 bytes per lane and chunk (two matrices per 16-byte fragment),
     # E8M0 row scales per 32 / e4m3 row scales per 16 and an fp32 scale_2 per matrix
     format: str = "bf16"
-    # the device buffer of its scales: FP8 [MATS sources][E][R/128][K/128] fp32;
+    # the device buffer of its scales: FP8 [MATS sources][E][R/128][K/128] fp32; FP8 per-tensor
+    # [E][sources][weight scale, input scale] fp32;
     # MXFP4 [E][tile][K/32 chunk][MATS][16 rows] E8M0 bytes; NVFP4 per tile [K/32 chunk][MATS][2][16 rows]
     # e4m3 bytes then the MATS fp32 scale_2 (16 bytes)
     scale_name: str = ""

@@ -20,6 +20,10 @@ Conventions
 - Zero (identity) experts are indices >= experts.count; they return weight * (their input).
 - Expert parallelism is ignored: the oracle is the whole layer (the sum over all ranks).
 - `experts.fp8_activations` is emulated (MODELS.md format a) on the routed experts' GEMM inputs.
+- FP8 per-tensor weights (format d) quantize each GEMM's input by that matrix's static
+  `<name>_input_scale`: e4m3(x / s) with x/s in float32, clamped to +-448 first (static scales do
+  not bound the activations); the output is (x_q . W_q) * s * weight_scale, W given dequantized.
+  The down projection's input is the bf16 activation the models hand it.
 """
 
 from __future__ import annotations
@@ -334,20 +338,42 @@ def _fp8_quant(a: np.ndarray) -> np.ndarray:
     return (q * scale).reshape(n, -1)[:, :c]
 
 
+def _static_fp8(x: np.ndarray, weights: Weights, name: str, shape: tuple[int, ...], e: int | None) -> np.ndarray:
+    """Format d's input quantization by matrix `name`'s static input scale, dequantized."""
+    s = np.float32(_weight(weights, f"{name}_input_scale", shape, e))
+    q = np.clip(x.astype(np.float32) / s, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float64) * np.float64(s)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _gate_up(x: np.ndarray, weights: Weights, prefix: str, e: int | None, dims: tuple[int, ...], inter: int, h: int,
+             fp8_tensor: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Gate and up projections of expert e (stacked: lead dims `dims`) or of the shared expert (e None)."""
+    xs = {p: _static_fp8(x, weights, f"{prefix}.{p}", dims, e) if fp8_tensor else x for p in ("gate_proj", "up_proj")}
+    g = xs["gate_proj"] @ _weight(weights, f"{prefix}.gate_proj", (*dims, inter, h), e).T
+    u = xs["up_proj"] @ _weight(weights, f"{prefix}.up_proj", (*dims, inter, h), e).T
+    return g, u
+
+
 def _expert(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
     ex = spec.experts
     E, I, H = ex.count, ex.intermediate_size, spec.hidden_size
     act = ex.activation
+    fp8_tensor = ex.format.value == "fp8_tensor"
     if ex.fp8_activations:
         x = _fp8_quant(x)
-    g = x @ _weight(weights, "experts.gate_proj", (E, I, H), e).T
-    u = x @ _weight(weights, "experts.up_proj", (E, I, H), e).T
+    g, u = _gate_up(x, weights, "experts", e, (E,), I, H, fp8_tensor)
     if ex.bias:
         g = g + _weight(weights, "experts.gate_proj_bias", (E, I), e)
         u = u + _weight(weights, "experts.up_proj_bias", (E, I), e)
     h = _activate(act.kind, g, u, act.limit, act.alpha)
     if ex.fp8_activations:
         h = _fp8_quant(h)
+    if fp8_tensor:
+        h = _static_fp8(_bf16(h), weights, "experts.down_proj", (E,), e)
     y = h @ _weight(weights, "experts.down_proj", (E, H, I), e).T
     if ex.bias:
         y = y + _weight(weights, "experts.down_proj_bias", (E, H), e)
@@ -371,9 +397,11 @@ def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np
 
 def _shared(spec: Spec, x: np.ndarray, weights: Weights) -> np.ndarray:
     s, act, H = spec.shared_expert, spec.experts.activation, spec.hidden_size
-    g = x @ _weight(weights, "shared_expert.gate_proj", (s.intermediate_size, H)).T
-    u = x @ _weight(weights, "shared_expert.up_proj", (s.intermediate_size, H)).T
+    fp8_tensor = s.format.value == "fp8_tensor"
+    g, u = _gate_up(x, weights, "shared_expert", None, (), s.intermediate_size, H, fp8_tensor)
     h = _activate(act.kind, g, u, act.limit if s.clamp else None, act.alpha)
+    if fp8_tensor:
+        h = _static_fp8(_bf16(h), weights, "shared_expert.down_proj", (), None)
     y = h @ _weight(weights, "shared_expert.down_proj", (H, s.intermediate_size)).T
     if s.gate == "sigmoid":  # Qwen: sigmoid(Linear h -> 1, no bias) scales the shared output
         y = y * _sigmoid(x @ _weight(weights, "shared_expert_gate.weight", (1, H)).T)

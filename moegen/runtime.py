@@ -231,8 +231,9 @@ class Layer:
         self._weights = packed
 
     def _pack_on_host(self, pw: Any, pieces: Mapping[str, list[tuple[str, Any]]]) -> tuple[np.ndarray, np.ndarray]:
-        """Quantized weights, packed with NumPy: FP8 block e4m3 codes in the tile layout with their
-        fp32 block scales; MXFP4 and NVFP4 e2m1 codes in the tile layout with their scales by tile."""
+        """Quantized weights, packed with NumPy: FP8 e4m3 codes in the tile layout with their fp32
+        block scales, or (per-tensor) each matrix's weight and input scale; MXFP4 and NVFP4 e2m1
+        codes in the tile layout with their scales by tile."""
         def whole(name: str) -> np.ndarray:
             parts = [to_host(obj, key) for key, obj in pieces[name]]
             return np.stack(parts) if len(parts) > 1 else parts[0]
@@ -245,8 +246,12 @@ class Layer:
             tiles = W.nv_scale_tiles if pw.format == "nvfp4" else W.mx_scale_tiles
             codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp4(pw, {k: unpack_nibbles(v) for k, v in c.items()}))
             return codes, tiles(pw, scale)
+        codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c))
+        if pw.format == "fp8_tensor":
+            scales = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in ("_scale", "_input_scale")}
+            return codes, W.fp8_tensor_scales(pw, scales)
         scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
-        return _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c)), W.fp8_scales(pw, scales)
+        return codes, W.fp8_scales(pw, scales)
 
     def _describe(self, obj: Any, key: str) -> tuple[tuple[int, ...], str, bool]:
         if isinstance(obj, (np.ndarray, np.generic)):  # NumPy scalars: 0-d host arrays

@@ -85,7 +85,9 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     MXFP4 weights as uint8 `<name>` [..., R, K/2] (two e2m1 codes a byte, the low nibble the even
     element) with uint8 E8M0 `<name>_scale` [..., R, K/32] (GPT-OSS's `_blocks`, flattened, and `_scales`);
     NVFP4 weights as the same uint8 `<name>` with e4m3 `<name>_scale` [..., R, K/16] and fp32
-    `<name>_scale_2` [...] (ModelOpt's `weight`, `weight_scale`, `weight_scale_2`)."""
+    `<name>_scale_2` [...] (ModelOpt's `weight`, `weight_scale`, `weight_scale_2`); FP8 per-tensor
+    weights as e4m3 `<name>` with fp32 `<name>_scale` and `<name>_input_scale` [...] (ModelOpt's
+    `weight`, `weight_scale`, `input_scale`)."""
     h, e, i, si = plan.hidden, plan.local_experts, plan.inter, plan.shared_inter
     shapes = {"gate.weight": (plan.scored, h), "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h),
               "experts.down_proj": (e, h, i)}
@@ -105,6 +107,10 @@ def tensors(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
         elif fmt.get(name, "bf16") == "fp8_block":
             out[name] = (shape, "float8_e4m3fn")
             out[f"{name}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)), "float32")
+        elif fmt.get(name) == "fp8_tensor":  # e4m3 codes; fp32 weight and static input scale per matrix
+            out[name] = (shape, "float8_e4m3fn")
+            out[f"{name}_scale"] = (shape[:-2], "float32")
+            out[f"{name}_input_scale"] = (shape[:-2], "float32")
         elif fmt.get(name) == "mxfp4":  # e2m1 pairs, low nibble = even element; E8M0 per 32 along K
             out[name] = ((*shape[:-1], shape[-1] // 2), "uint8")
             out[f"{name}_scale"] = ((*shape[:-1], shape[-1] // 32), "uint8")
@@ -188,6 +194,17 @@ def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
 def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
     """The fp32 block scales of a packed FP8 weight: [MATS sources][E][R/128][K/128]."""
     return np.ascontiguousarray(np.stack([np.asarray(scales[f"{s}_scale_inv"], np.float32) for s in pw.sources]))
+
+
+def fp8_tensor_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The scales of a packed FP8 per-tensor weight: [..., sources, 2] fp32, each source's weight
+    scale then its static input scale (the kernel multiplies the code sums by both)."""
+    pairs = [np.stack([np.asarray(scales[f"{s}_scale"], np.float32), np.asarray(scales[f"{s}_input_scale"], np.float32)],
+                      axis=-1) for s in pw.sources]
+    for s, p in zip(pw.sources, pairs):
+        if not (np.isfinite(p).all() and (p > 0).all()):
+            raise WeightError(f"{s}_scale / {s}_input_scale: expected finite positive float32 values")
+    return np.ascontiguousarray(np.stack(pairs, axis=-2))
 
 
 def pack_fp4(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -47,7 +47,10 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     (the same values, dequantized)."""
     layer_w, ref_w = {}, {}
     for name, (shape, dtype) in tensors(plan).items():
-        if name.endswith(("_scale_inv", "_scale", "_scale_2")):  # made with their weight
+        if name.endswith(("_scale_inv", "_scale", "_scale_2", "_input_scale")):  # made with their weight
+            continue
+        if f"{name}_input_scale" in tensors(plan):  # FP8 per-tensor: codes, weight and static input scales
+            _rand_fp8_tensor(name, shape, layer_w, ref_w, torch)
             continue
         if dtype == "uint8":  # FP4: random codes and scales as stored; the reference reads their values
             _rand_fp4(name, shape, plan, layer_w, ref_w, torch)
@@ -77,6 +80,20 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
             layer_w[f"{name}_scale_inv"] = np.stack(scales).reshape(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
             ref_w[name] = np.stack(deqs).reshape(shape)
     return layer_w, ref_w
+
+
+def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: dict, torch: Any) -> None:
+    """FP8 per-tensor weights as ModelOpt stores them: e4m3 codes of O(1) values drawn on the device,
+    a weight scale per matrix around 1/(16 sqrt(K)), and static input scales that leave some
+    activations past +-448 steps (the saturation is exercised)."""
+    rng = np.random.default_rng()
+    codes = (torch.randn(shape, device="cuda") * 16).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
+    codes = codes.view(ml_dtypes.float8_e4m3fn)
+    w_scale = (rng.uniform(0.5, 1.0, shape[:-2]) / (16 * math.sqrt(shape[-1]))).astype(np.float32)
+    in_scale = rng.uniform(2.0, 4.0, shape[:-2]).astype(np.float32) / 448.0
+    layer_w[name], layer_w[f"{name}_scale"], layer_w[f"{name}_input_scale"] = codes, w_scale, in_scale
+    ref_w[name] = codes.astype(np.float64) * w_scale.astype(np.float64)[..., None, None]
+    ref_w[f"{name}_input_scale"] = in_scale
 
 
 def _rand_fp4(name: str, shape: tuple[int, ...], plan: Plan, layer_w: dict, ref_w: dict, torch: Any) -> None:

@@ -440,6 +440,47 @@ def test_nvfp4_checkpoint_keeps_codes_scales_and_each_scale_2(tmp_path: Path):
         load_layer(tmp_path, spec, 1)
 
 
+def test_fp8_per_tensor_checkpoint_keeps_codes_and_both_scales(tmp_path: Path):
+    """ModelOpt FP8 per-tensor (format d), routed and shared: weight / weight_scale / input_scale as
+    stored, one pair of scales per matrix; a missing input_scale names the tensor (the kernels
+    quantize their inputs by it)."""
+    from moegen.quant import quantize_fp8_tensor
+
+    e, i, s, h = 4, 32, 48, 64
+    spec = parse_spec({"name": "tiny-fp8t", "model": "org/tiny", "hidden_size": h,
+                       "experts": {"count": e, "top_k": 2, "intermediate_size": i, "format": "fp8_tensor"},
+                       "shared_expert": {"intermediate_size": s, "format": "fp8_tensor", "gate": "sigmoid"}},
+                      check_generated=False)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2))
+    rng = np.random.default_rng()
+
+    def q(rows, cols):
+        return quantize_fp8_tensor(rng.standard_normal((rows, cols)).astype(np.float32),
+                                   input_scale=float(rng.uniform(0.01, 0.02)))
+
+    pre = "model.layers.1.mlp."
+    routed = {(x, p): q(h, i) if p == "down_proj" else q(i, h) for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")}
+    shared = {p: q(h, s) if p == "down_proj" else q(s, h) for p in ("gate_proj", "up_proj", "down_proj")}
+    tensors = {f"{pre}gate.weight": rng.standard_normal((e, h)).astype(BF16),
+               f"{pre}shared_expert_gate.weight": rng.standard_normal((1, h)).astype(BF16)}
+    for (x, p), w in routed.items():
+        tensors.update({f"{pre}experts.{x}.{p}.{k}": v for k, v in w.tensors().items()})
+    for p, w in shared.items():
+        tensors.update({f"{pre}shared_expert.{p}.{k}": v for k, v in w.tensors().items()})
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    got = load_layer(tmp_path, spec, 1)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        assert np.array_equal(got[f"experts.{p}"].view(np.uint8), np.stack([routed[x, p].q for x in range(e)]).view(np.uint8))
+        assert np.array_equal(got[f"experts.{p}_scale"], np.array([routed[x, p].scale for x in range(e)]))
+        assert np.array_equal(got[f"experts.{p}_input_scale"], np.array([routed[x, p].input_scale for x in range(e)]))
+        assert got[f"shared_expert.{p}_input_scale"] == shared[p].input_scale
+        assert np.array_equal(got[f"shared_expert.{p}"].view(np.uint8), shared[p].q.view(np.uint8))
+    del tensors[f"{pre}experts.3.down_proj.input_scale"]
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(MissingTensor, match=r"missing tensor model\.layers\.1\.mlp\.experts\.3\.down_proj\.input_scale"):
+        load_layer(tmp_path, spec, 1)
+
+
 def test_deepseek_v4_fp4_experts_and_e8m0_fp8_shared_expert(tmp_path: Path):
     """DeepSeek-V4 as released: per-expert int8 FP4 `weight` + E8M0 `scale` (format e, MXFP4's
     math), the shared expert FP8 with E8M0 block scales: the layer gets the codes as stored and

@@ -555,6 +555,46 @@ def test_fp8_activation_emulation():
     assert np.all(err > 1e-4) and np.all(err < 0.1)
 
 
+def test_fp8_per_tensor_static_input_quantization():
+    """Format d: each GEMM input (routed and shared, gate, up and down each with its own scale) is
+    e4m3(x / input_scale) with x / s in float32, clamped to +-448, and the product is multiplied
+    by input_scale; the down input is the bf16 activation. Scales small enough that some inputs
+    saturate."""
+    rng = np.random.default_rng()
+    spec = make_spec(hidden=128, count=4, top_k=1, inter=64, experts={"format": "fp8_tensor"},
+                     shared_expert={"intermediate_size": 32, "format": "fp8_tensor"})
+    w, x = make_weights(rng, spec), make_x(rng, 5, spec)
+    for name in ("experts.gate_proj", "experts.up_proj", "experts.down_proj"):
+        w[f"{name}_input_scale"] = rng.uniform(1.5, 3.0, 4).astype(np.float32) / 448.0
+    for name in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
+        w[f"{name}_input_scale"] = np.float32(rng.uniform(1.5, 3.0) / 448.0)
+
+    def quant(v, s):
+        s = float(s)
+        out = []
+        for t in v:
+            r = float(np.float32(np.float32(t) / np.float32(s)))
+            r = min(max(r, -448.0), 448.0)
+            out.append(float(np.float64(r).astype(ml_dtypes.float8_e4m3fn)) * s)
+        return np.array(out)
+
+    def mlp(prefix, e, xt):
+        m = (lambda n: f64(w[f"{prefix}.{n}"][e])) if e is not None else (lambda n: f64(w[f"{prefix}.{n}"]))
+        sc = (lambda n: w[f"{prefix}.{n}_input_scale"][e]) if e is not None else (lambda n: w[f"{prefix}.{n}_input_scale"])
+        h = silu_gated(m("gate_proj") @ quant(xt, sc("gate_proj")), m("up_proj") @ quant(xt, sc("up_proj")))
+        h = f64(bf16(h))
+        return m("down_proj") @ quant(h, sc("down_proj"))
+
+    outs, saturated = [], 0
+    for xt in f64(x):
+        p = softmax_list(token_logits(w, xt))
+        e = pick_top(p, 1)[0]
+        saturated += sum(abs(t) / float(w["experts.gate_proj_input_scale"][e]) > 448 for t in xt)
+        outs.append(p[e] * mlp("experts", e, xt) + mlp("shared_expert", None, xt))
+    assert saturated > 0, "no input reached the saturation"
+    np.testing.assert_allclose(ref.moe_forward(spec, x, w), outs, **TIGHT)
+
+
 # ----------------------------------------------------------------------------- precision, ties
 
 

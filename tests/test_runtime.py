@@ -98,6 +98,8 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
             out[name] = rng.integers(0, 255, shape, dtype=np.uint8)
         elif dtype == "int32":  # tid2eid: k distinct experts per row
             out[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
+        elif dtype == "float32" and name.endswith(("_scale", "_input_scale")):  # FP8 per-tensor: positive
+            out[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
         elif dtype == "float32":
             out[name] = rng.standard_normal(shape).astype(np.float32)
         else:
@@ -259,3 +261,16 @@ def test_codes_packed_by_expert_chunks_equal_one_pack(fmt, per_expert):
     want = pack(pw, codes)
     got = runtime._by_experts(pieces, pw.sources, lambda c: pack(pw, c), step=4)
     assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_fp8_tensor_scales_must_be_positive(fake_cuda):
+    """A zero or negative per-tensor scale would silently flip or zero a matrix: refused at load,
+    naming the tensors, before anything reaches the device."""
+    drv, _ = fake_cuda
+    plan = make_plan(dict(SPECS)["fp8_tensor"])
+    w = _host_weights(plan)
+    w["experts.up_proj_input_scale"][3] = 0.0
+    layer = _layer(plan)
+    with pytest.raises(WeightError, match="experts.up_proj_scale / experts.up_proj_input_scale: expected finite positive"):
+        layer.load_weights(w)
+    assert not drv.copies

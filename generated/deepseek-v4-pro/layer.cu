@@ -119,6 +119,10 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 #define MOE_W_FP8_BLOCK 1
 #define MOE_W_MXFP4 2
 #define MOE_W_NVFP4 3
+// FP8 per-tensor (ModelOpt FP8): e4m3 codes as FP8 block's, one fp32 weight scale per matrix and a
+// static input scale: the activations are quantized, e4m3(x / input_scale) saturating, and the
+// products of codes summed in fp32 are multiplied by input_scale * weight_scale.
+#define MOE_W_FP8_TENSOR 4
 
 // Eight e2m1 codes (nibble i = element i of an A fragment's k-step, low nibble first) as the four
 // bf16x2 registers of that fragment, exactly: every e2m1 value is a bf16 value. Byte tables
@@ -171,6 +175,16 @@ MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
   return pack_bf16x2(lo, hi);
 }
 
+// Two bf16 activations (low half first) quantized by a static scale, as two bf16 holding their
+// e4m3 values exactly: e4m3(x / s) with round-to-nearest-even, saturating at +-448.
+MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) {
+  const float lo = __fdiv_rn(bf16_to_f32((bf16_t)(two & 0xffffu)), s);
+  const float hi = __fdiv_rn(bf16_to_f32((bf16_t)(two >> 16)), s);
+  unsigned short q;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // hi -> upper byte
+  return e4m3x2_to_bf16x2(q);
+}
+
 // The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
 // bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of
 // the tile's matrices (16 bytes): nv_scale2 points at them.
@@ -204,6 +218,7 @@ struct TileGemv {
   // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
   // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
   // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
+  // FP8 per-tensor: scale[mt * scale_stride] and [.. + 1] are matrix mt's weight and input scales.
   // MXFP4: scale (bytes) [KC][MATS][16] holds this tile's E8M0 row scales, one per chunk.
   // NVFP4: scale (bytes) [KC][MATS][2 blocks of 16 along K][16] its e4m3 row scales; scale2[mt]
   // each matrix's scale_2.
@@ -231,6 +246,14 @@ struct TileGemv {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][mt][i] = 0.0f;
 
+    float s_in[MATS], s_out[MATS];  // FP8 per-tensor: each matrix's input scale, and the sums' scale
+    if (FMT == MOE_W_FP8_TENSOR) {
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt) {
+        s_in[mt] = __ldg(scale + mt * scale_stride + 1);
+        s_out[mt] = s_in[mt] * __ldg(scale + mt * scale_stride);
+      }
+    }
     uint4* ring = smem + warp * DEPTH * FRAGS * 32 + lane;
     uint4* sring = smem + WARPS * DEPTH * FRAGS * 32 + warp * DEPTH * SCU;  // the warp's scales
     const int mine = (KC - warp + WARPS - 1) / WARPS;  // chunks warp, warp + WARPS, ...
@@ -310,6 +333,27 @@ struct TileGemv {
             mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
           }
         }
+      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times quantized activations, exactly, summed in fp32
+        uint4 bq[NT];
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt];
+          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
+                                      e4m3x2_to_bf16x2(q.y >> 16));
+          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
+                                      e4m3x2_to_bf16x2(q.w >> 16));
+          if (mt == 0 || scale_stride != 0) {  // matrices of one source share their input scale
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              bq[j] = make_uint4(quant_e4m3x2(bv[j].x, s_in[mt]), quant_e4m3x2(bv[j].y, s_in[mt]),
+                                 quant_e4m3x2(bv[j].z, s_in[mt]), quant_e4m3x2(bv[j].w, s_in[mt]));
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mma_bf16(acc[j][mt], k0, bq[j].x, bq[j].y);
+            mma_bf16(acc[j][mt], k1, bq[j].z, bq[j].w);
+          }
+        }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
@@ -329,6 +373,14 @@ struct TileGemv {
           }
         }
       }
+    }
+    if (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s_out[mt];
     }
     if (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
 #pragma unroll
@@ -767,6 +819,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
 // Blocks past the routed slots compute the shared expert over all tokens.
 // FP8: s13 holds the gate then the up scales [2][E][I/128][H/128] (ss13: [2][IS/128][H/128]).
+// FP8 per-tensor: s13 [E][gate, up][weight scale, input scale] (ss13 likewise, without E).
 // MXFP4: s13 holds E8M0 bytes [E][tile][chunk][gate, up][16 rows] (ss13 likewise, without E).
 // NVFP4: s13 holds per tile e4m3 bytes [chunk][gate, up][2 blocks of 16][16 rows], then the two scale_2.
 template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
@@ -793,9 +846,11 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     const uint4* a = w13 + ((size_t)e * TI + tile) * KC * GR::AU * 32;
     const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s13, (size_t)e * TI + tile, KC, 2)
                       : FMT == MOE_W_NVFP4 ? nv_scales(s13, (size_t)e * TI + tile, KC, 2)
+                      : FMT == MOE_W_FP8_TENSOR ? s13 + (size_t)e * 4
                       : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
+    const int sc_stride = FMT == MOE_W_FP8_TENSOR ? 2 : E * (I / 128) * KB;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, E * (I / 128) * KB, nv_scale2(sc, KC, 2));
+      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, sc_stride, nv_scale2(sc, KC, 2));
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -821,9 +876,11 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss13, tile, KC, 2)
                       : FMTS == MOE_W_NVFP4 ? nv_scales(ss13, tile, KC, 2)
+                      : FMTS == MOE_W_FP8_TENSOR ? ss13
                       : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, (IS / 128) * KB, nv_scale2(sc, KC, 2));
+      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, FMTS == MOE_W_FP8_TENSOR ? 2 : (IS / 128) * KB,
+              nv_scale2(sc, KC, 2));
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
@@ -843,6 +900,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
 // out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in order, so the
 // sum does not depend on which block came last.
 // FP8: s2 [E][H/128][I/128], ss2 [H/128][IS/128]; a block's TPB tiles share one 128-row block.
+// FP8 per-tensor: s2 [E][weight scale, input scale] (ss2 without E); the TPB tiles share them.
 // MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
 // NVFP4: s2 per row group e4m3 bytes [chunk][TPB tiles][2 blocks of 16][16 rows], then TPB scale_2.
 template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
@@ -886,6 +944,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
     const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s2, (size_t)e * TH + group, KC, TPB)
                       : FMT == MOE_W_NVFP4 ? nv_scales(s2, (size_t)e * TH + group, KC, TPB)
+                      : FMT == MOE_W_FP8_TENSOR ? s2 + (size_t)e * 2
                       : FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
     const bf16_t* xa = act + (size_t)begin * KC * 32;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
@@ -905,6 +964,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     const uint4* a = ws2 + (size_t)group * KCS * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss2, group, KCS, TPB)
                       : FMTS == MOE_W_NVFP4 ? nv_scales(ss2, group, KCS, TPB)
+                      : FMTS == MOE_W_FP8_TENSOR ? ss2
                       : FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
       GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0, nv_scale2(sc, KCS, TPB));
