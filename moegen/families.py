@@ -31,8 +31,9 @@ def route_threads(scored: int) -> int:
     return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
-A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
-FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "fp8_tensor": "MOE_W_FP8_TENSOR",
+A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_block_a8": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
+FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "fp8_block_a8": "MOE_W_FP8_BLOCK_A8",
+             "fp8_tensor": "MOE_W_FP8_TENSOR",
              "mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}
 SCORE_MACRO = {"softmax": "MOE_SCORE_SOFTMAX", "sigmoid": "MOE_SCORE_SIGMOID",
                "sqrt_softplus": "MOE_SCORE_SQRT_SOFTPLUS", "sparsemixer": "MOE_SCORE_SPARSEMIXER"}
@@ -52,13 +53,15 @@ class TuningError(ValueError):
 
 
 # 16-byte units of scales per matrix and chunk in the ring (FP8: one fp32 per matrix, rounded up)
-SCALE_UNITS = {"bf16": 0, "fp8_block": 0.25, "fp8_tensor": 0, "mxfp4": 1, "nvfp4": 2}
+SCALE_UNITS = {"bf16": 0, "fp8_block": 0.25, "fp8_block_a8": 0.25, "fp8_tensor": 0, "mxfp4": 1, "nvfp4": 2}
 
 
 def chunk_bytes(mats: int, nt: int, fmt: str) -> int:
     """Ring bytes of one 32-wide chunk per warp: A fragments of MATS matrices, B of NT token
-    groups, and the chunk's scales (TileGemv::SCU)."""
-    return int((mats * A_FRAGMENTS[fmt] + nt) * 512) + 16 * math.ceil(mats * SCALE_UNITS[fmt])
+    groups, the chunk's scales (TileGemv::SCU), and with FP8 activations each lane's token scales
+    (TileGemv::XSU)."""
+    xsu = (nt + 1) // 2 if fmt == "fp8_block_a8" else 0
+    return int((mats * A_FRAGMENTS[fmt] + nt + xsu) * 512) + 16 * math.ceil(mats * SCALE_UNITS[fmt])
 
 
 def depth(mats: int, nt: int, fmt: str = "bf16", warps: int = WARPS) -> int:
@@ -125,8 +128,10 @@ class Layer:
     nmax: int
     rows_pad: int  # router rows (scored experts + gate row) padded to 16
     ksplit: int
-    fmt_e: str
+    fmt_e: str  # the weights' formats as stored
     fmt_s: str
+    kf_e: str  # the kernels' formats: the stored one, or fp8_block_a8 with FP8 activations
+    kf_s: str
     woi: bool  # the routing weight scales the expert input (Llama-4)
     bias: bool  # expert biases
     hashed: bool
@@ -158,11 +163,19 @@ class Layer:
             spec=spec, h=h, e=e, z=z, k=k, i=i, si=sh.intermediate_size if sh else 0, gated=gated,
             nmax=spec.max_tokens, rows_pad=rows_pad, ksplit=ksplit(rows_pad // 16, h // 32, target),
             fmt_e=spec.experts.format.value, fmt_s=sh.format.value if sh else "bf16",
+            kf_e=_kernel_format(spec.experts.format.value, spec), kf_s=_kernel_format(sh.format.value if sh else "bf16", spec),
             woi=r.weight_on_input, bias=spec.experts.bias, hashed=r.hash_vocab_size is not None,
             x_router="ws.xr" if spec.router.norm else "x", x_expert="ws.xe" if spec.pre_expert_norm else "x",
             act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
             ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local, tune=tune or Tuning(),
         )
+
+
+def _kernel_format(fmt: str, spec: Spec) -> str:
+    """FP8 block weights with FP8 activations (experts.fp8_activations: every FP8 block GEMM of the
+    layer, routed and shared, quantizes its input as DeepSeek's Linear layers do) read their B rows
+    as e4m3 codes with per-token scales."""
+    return "fp8_block_a8" if fmt == "fp8_block" and spec.experts.fp8_activations else fmt
 
 
 def partition(experts: int, ep_size: int, rank: int) -> tuple[int, int]:
@@ -303,12 +316,12 @@ def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
 
 
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
-    name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
+    name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.kf_e}" + (f"_si{c.si}_nts{nts}_{c.kf_s}" if c.si else "")
             + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}")
-    w = _warps(c, 2, max(nt, nts), c.fmt_e)
+    w = _warps(c, 2, max(nt, nts), c.kf_e)
     name += f"{_w(w)}_{c.spec.arch}"
-    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.fmt_e, w), c.i // 16, c.si // 16, c.i,
-                        max(c.si, 1))), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s], str(c.e_local))
+    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.kf_e, w), c.i // 16, c.si // 16, c.i,
+                        max(c.si, 1))), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s], str(c.e_local))
     base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
             ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
             ("const bf16_t* __restrict__ x", "x", c.x_expert),
@@ -318,23 +331,26 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
             ("bf16_t* __restrict__ act", "act", "ws.act"), ("bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
             ("int n", "n", "n"))
-    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias else ()
-    if c.bias:
+    a8 = "fp8_block_a8" in (c.kf_e, c.kf_s)
+    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias or a8 else ()
+    if c.bias or a8:  # (positional: FP8 activations' pointers come after these, null where unused)
         extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
                   ("const float* __restrict__ b_up", "b_up", "w.b_up"))
+    if a8:  # x quantized per token and 128 channels (moe_act_quant), and its scales
+        extra += (("const bf16_t* __restrict__ xq", "xq", "ws.xq"), ("const float* __restrict__ sx", "sx", "ws.sx"))
     return _kernel(name, "gate_up", w * 32, targs, base, extra, "gate_up_body",
                    f"gate/up + {c.act_tag}: expert slots x {c.i // 16} tiles"
                    + (f" + shared {c.si // 16} tiles" if c.si else ""))
 
 
 def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
-    name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.fmt_e}" + (f"_si{c.si}_nts{nts}_{c.fmt_s}" if c.si else "")
+    name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.kf_e}" + (f"_si{c.si}_nts{nts}_{c.kf_s}" if c.si else "")
             + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
             + ("_winput" if c.woi else "") + c.ep_tag)
-    w, t = _warps(c, c.tune.down_tiles, max(nt, nts), c.fmt_e), c.tune.down_tiles
+    w, t = _warps(c, c.tune.down_tiles, max(nt, nts), c.kf_e), c.tune.down_tiles
     name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + ("_pf" if c.tune.prefetch else "") + f"_{c.spec.arch}"
-    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.fmt_e, w), t,
-                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.fmt_e], FMT_MACRO[c.fmt_s],
+    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.kf_e, w), t,
+                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s],
              str(c.e_local), _b(c.tune.prefetch))
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
             ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
@@ -347,13 +363,48 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             ("const int* __restrict__ pair_pos", "pair_pos", "ws.pair_pos"),
             ("const float* __restrict__ gate_s", "gate_s", "ws.gate_s"), ("int* tile_done", "tile_done", "ws.tile_done"),
             ("bf16_t* __restrict__ out", "out", "out"), ("int n", "n", "n"))
-    extra: Extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if c.bias or c.z else ()
-    if c.z:
+    a8 = "fp8_block_a8" in (c.kf_e, c.kf_s)
+    extra: Extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if c.bias or c.z or a8 else ()
+    if c.z or a8:
         extra += (("const bf16_t* __restrict__ x", "x", c.x_expert),
                   ("const int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"))
+    if a8:  # the activations quantized per token and 128 channels (moe_act_quant), and their scales
+        extra += (("const bf16_t* __restrict__ actq", "actq", "ws.actq"), ("const float* __restrict__ sa", "sa", "ws.sa"),
+                  ("const bf16_t* __restrict__ actq_s", "actq_s", "ws.actq_s"),
+                  ("const float* __restrict__ sas", "sas", "ws.sas"))
     return _kernel(name, "down", w * 32, targs, base, extra, "down_body",
                    f"down: expert slots x {c.h // 16} tiles of {c.i}" + (f" + shared ({c.si})" if c.si else "")
                    + "; the last block of each tile writes the weighted sum")
+
+
+QUANT_THREADS = 256
+
+
+def act_quant_kernel(c: Layer, what: str) -> Kernel | None:
+    """FP8 activations (MODELS.md format a): the rows of x (what="x": before gate/up) or of the
+    routed and shared activations (what="act": before down) as e4m3 codes per token and 128
+    channels, with their fp32 scales. None where no GEMM of that input takes FP8 activations."""
+    if what == "x":
+        if "fp8_block_a8" not in (c.kf_e, c.kf_s):
+            return None
+        name = f"moe_act_quant_x_h{c.h}_{c.spec.arch}"
+        return _kernel(name, "act_quant", QUANT_THREADS, (str(c.h), str(QUANT_THREADS)),
+                       (("const bf16_t* __restrict__ src", "src", c.x_expert), ("bf16_t* __restrict__ q", "q", "ws.xq"),
+                        ("float* __restrict__ s", "s", "ws.sx"), ("int n", "n", "n")), (), "act_quant_body",
+                       "x as e4m3 codes per token and 128 channels, for the FP8 GEMMs")
+    routed, shared = c.kf_e == "fp8_block_a8", c.kf_s == "fp8_block_a8" and c.si > 0
+    if not (routed or shared):
+        return None
+    name = "moe_act_quant" + (f"_i{c.i}k{c.k}" if routed else "") + (f"_s{c.si}" if shared else "") + f"_{c.spec.arch}"
+    # rows: the routed activations' n * top_k (every row a pair of the call may use), the shared n
+    targs = tuple(map(str, (c.i if routed else 128, c.k if routed else 0, c.si if shared else 128, int(shared),
+                            QUANT_THREADS)))
+    sig = (("const bf16_t* __restrict__ act", "act", "ws.act"), ("bf16_t* __restrict__ actq", "actq", "ws.actq"),
+           ("float* __restrict__ sa", "sa", "ws.sa"), ("const bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
+           ("bf16_t* __restrict__ actq_s", "actq_s", "ws.actq_s"), ("float* __restrict__ sas", "sas", "ws.sas"),
+           ("int n", "n", "n"))
+    return _kernel(name, "act_quant", QUANT_THREADS, targs, sig, (), "act_quant2_body",
+                   "the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs")
 
 
 def _warps(c: Layer, mats: int, nt: int, fmt: str) -> int:

@@ -252,17 +252,29 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
+        *((Launch(add(xq), (_quant_grid(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
+          if (xq := F.act_quant_kernel(c, "x")) else ()),
         Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1),
                gate_up.threads, pdl=True),
+        *((Launch(add(aq), (_quant_grid(nb * c.k * (c.i // 128) * (c.kf_e == "fp8_block_a8")
+                                        + nb * (c.si // 128) * (c.kf_s == "fp8_block_a8")), 1), aq.threads, pdl=True),)
+          if (aq := F.act_quant_kernel(c, "act")) else ()),
         Launch(add(down := F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1),
                down.threads, pdl=True),
     )
     return Bucket(nb, launches)
 
 
+def _quant_grid(warps: int) -> int:
+    """Blocks of the FP8 activation quantization: a warp per row and 128 channels, grid-strided."""
+    return max(1, min(-(-warps // (F.QUANT_THREADS // 32)), 4 * 132))
+
+
 def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
+    a8e, a8s = c.kf_e == "fp8_block_a8", c.kf_s == "fp8_block_a8" and si > 0
+    a8 = a8e or a8s
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
@@ -284,6 +296,12 @@ def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row
         Buffer("out", "uint16", (nmax, h)),
+        # FP8 activations: x, the routed and the shared activations as e4m3 codes (bf16), with scales
+        Buffer("xq", "uint16", (nmax, h) if a8 else (1,)), Buffer("sx", "float32", (nmax, h // 128) if a8 else (1,)),
+        Buffer("actq", "uint16", (nmax * k, i) if a8e else (1,)),
+        Buffer("sa", "float32", (nmax * k, i // 128) if a8e else (1,)),
+        Buffer("actq_s", "uint16", (nmax, si) if a8s else (1,)),
+        Buffer("sas", "float32", (nmax, si // 128) if a8s else (1,)),
     )
 
 

@@ -19,7 +19,9 @@ Conventions
 - Hash routing keeps the table's order of experts (there is no selection value to sort by).
 - Zero (identity) experts are indices >= experts.count; they return weight * (their input).
 - Expert parallelism is ignored: the oracle is the whole layer (the sum over all ranks).
-- `experts.fp8_activations` is emulated (MODELS.md format a) on the routed experts' GEMM inputs.
+- `experts.fp8_activations` is emulated (MODELS.md format a) on the inputs of every FP8 block GEMM
+  of the layer (the routed experts', and the shared expert's when it is FP8 block), as DeepSeek's
+  Linear layers quantize theirs; the down projections' input is the bf16 activation.
 - FP8 per-tensor weights (format d) quantize each GEMM's input by that matrix's static
   `<name>_input_scale`: e4m3(x / s) with x/s in float32, clamped to +-448 first (static scales do
   not bound the activations); the output is (x_q . W_q) * s * weight_scale, W given dequantized.
@@ -371,7 +373,7 @@ def _expert(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
         u = u + _weight(weights, "experts.up_proj_bias", (E, I), e)
     h = _activate(act.kind, g, u, act.limit, act.alpha)
     if ex.fp8_activations:
-        h = _fp8_quant(h)
+        h = _fp8_quant(_bf16(h))
     if fp8_tensor:
         h = _static_fp8(_bf16(h), weights, "experts.down_proj", (E,), e)
     y = h @ _weight(weights, "experts.down_proj", (E, H, I), e).T
@@ -398,8 +400,11 @@ def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np
 def _shared(spec: Spec, x: np.ndarray, weights: Weights) -> np.ndarray:
     s, act, H = spec.shared_expert, spec.experts.activation, spec.hidden_size
     fp8_tensor = s.format.value == "fp8_tensor"
-    g, u = _gate_up(x, weights, "shared_expert", None, (), s.intermediate_size, H, fp8_tensor)
+    a8 = spec.experts.fp8_activations and s.format.value == "fp8_block"
+    g, u = _gate_up(_fp8_quant(x) if a8 else x, weights, "shared_expert", None, (), s.intermediate_size, H, fp8_tensor)
     h = _activate(act.kind, g, u, act.limit if s.clamp else None, act.alpha)
+    if a8:
+        h = _fp8_quant(_bf16(h))
     if fp8_tensor:
         h = _static_fp8(_bf16(h), weights, "shared_expert.down_proj", (), None)
     y = h @ _weight(weights, "shared_expert.down_proj", (H, s.intermediate_size)).T

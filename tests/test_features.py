@@ -56,6 +56,10 @@ PENDING = {
     # ModelOpt FP8 per-tensor (format d): e4m3 codes, a weight scale and a static input scale per matrix
     "fp8_tensor": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 512, "format": "fp8_tensor"},
                    "shared_expert": {"intermediate_size": 384, "format": "fp8_tensor"}},
+    # DeepSeek's FP8: 128x128 block weights and activations quantized per token and 128 channels
+    "fp8_activations": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 512, "format": "fp8_block",
+                                    "fp8_activations": True},
+                        "shared_expert": {"intermediate_size": 384, "format": "fp8_block"}},
 }
 ALL = {**CASES, **PENDING}
 

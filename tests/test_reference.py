@@ -527,7 +527,8 @@ def test_gelu_gated_with_norms():
 
 def test_fp8_activation_emulation():
     """experts.fp8_activations: each routed GEMM input is quantized per token per 128 channels
-    (scale = max(amax, 1e-4) / 448 in fp32, value -> e4m3) and dequantized."""
+    (scale = max(amax, 1e-4) / 448 in fp32, value -> e4m3) and dequantized; the down input is the
+    bf16 activation."""
     rng = np.random.default_rng()
     spec = make_spec(hidden=256, count=4, top_k=1, inter=160, experts={"fp8_activations": True})
     plain = make_spec(hidden=256, count=4, top_k=1, inter=160)
@@ -547,12 +548,42 @@ def test_fp8_activation_emulation():
         e = pick_top(p, 1)[0]
         xq = quant(xt)
         h = silu_gated(f64(w["experts.gate_proj"][e]) @ xq, f64(w["experts.up_proj"][e]) @ xq)
-        outs.append(p[e] * (f64(w["experts.down_proj"][e]) @ quant(h)))
+        outs.append(p[e] * (f64(w["experts.down_proj"][e]) @ quant(f64(bf16(h)))))
     got = ref.moe_forward(spec, x, w)
     np.testing.assert_allclose(got, outs, **TIGHT)
     exact = ref.moe_forward(plain, x, w)
     err = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
     assert np.all(err > 1e-4) and np.all(err < 0.1)
+
+
+def test_fp8_activations_reach_an_fp8_shared_expert():
+    """With experts.fp8_activations, an FP8 block shared expert quantizes its inputs too (gate/up:
+    x; down: the bf16 activation), as DeepSeek's Linear layers do; a BF16 shared expert does not."""
+    rng = np.random.default_rng()
+    kw = {"hidden": 256, "count": 4, "top_k": 1, "inter": 128, "experts": {"format": "fp8_block", "fp8_activations": True}}
+    fp8 = make_spec(**kw, shared_expert={"intermediate_size": 128, "format": "fp8_block"})
+    plain = make_spec(**kw, shared_expert={"intermediate_size": 128})
+    w, x = make_weights(rng, fp8), make_x(rng, 3, fp8)
+
+    def quant(v):
+        out = []
+        for start in range(0, len(v), 128):
+            block = v[start : start + 128]
+            s = float(np.float32(max(max(abs(t) for t in block), 1e-4) / 448.0))
+            out += [float(np.float64(np.float32(t / s)).astype(ml_dtypes.float8_e4m3fn)) * s for t in block]
+        return np.array(out)
+
+    def shared(xt, q=None):  # q None: the BF16 shared expert, nothing quantized or rounded
+        if q is None:
+            g, u = f64(w["shared_expert.gate_proj"]) @ xt, f64(w["shared_expert.up_proj"]) @ xt
+            return f64(w["shared_expert.down_proj"]) @ silu_gated(g, u)
+        g, u = f64(w["shared_expert.gate_proj"]) @ q(xt), f64(w["shared_expert.up_proj"]) @ q(xt)
+        return f64(w["shared_expert.down_proj"]) @ q(f64(bf16(silu_gated(g, u))))
+
+    base = ref.moe_forward(fp8.model_copy(update={"shared_expert": None}), x, w)
+    got_fp8, got_plain = ref.moe_forward(fp8, x, w) - base, ref.moe_forward(plain, x, w) - base
+    np.testing.assert_allclose(got_fp8, [shared(xt, quant) for xt in f64(x)], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(got_plain, [shared(xt) for xt in f64(x)], rtol=1e-9, atol=1e-9)
 
 
 def test_fp8_per_tensor_static_input_quantization():

@@ -912,7 +912,13 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xr', 'shape': (1,)},
                {'dtype': 'uint16', 'name': 'xe', 'shape': (1,)},
                {'dtype': 'float32', 'name': 'slot_w', 'shape': (1536,)},
-               {'dtype': 'uint16', 'name': 'out', 'shape': (256, 7168)})}
+               {'dtype': 'uint16', 'name': 'out', 'shape': (256, 7168)},
+               {'dtype': 'uint16', 'name': 'xq', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sx', 'shape': (1,)},
+               {'dtype': 'uint16', 'name': 'actq', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sa', 'shape': (1,)},
+               {'dtype': 'uint16', 'name': 'actq_s', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sas', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

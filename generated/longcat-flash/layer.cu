@@ -89,6 +89,11 @@ MOE_DEVICE u32 lds_u8(u32 addr) {
 MOE_DEVICE void prefetch_l2(const void* p, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
+// 4 bytes through L1, or zeros (valid false: nothing is read).
+MOE_DEVICE void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -123,6 +128,10 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 // static input scale: the activations are quantized, e4m3(x / input_scale) saturating, and the
 // products of codes summed in fp32 are multiplied by input_scale * weight_scale.
 #define MOE_W_FP8_TENSOR 4
+// FP8 block weights times FP8 activations (DeepSeek's recipe, MODELS.md format a): the B rows are
+// e4m3 codes (as bf16) of activations quantized per token and 128 channels, with their fp32
+// scales [row][K/128]; each chunk's code sums get the weight block scale times the token's scale.
+#define MOE_W_FP8_BLOCK_A8 5
 
 // Eight e2m1 codes (nibble i = element i of an A fragment's k-step, low nibble first) as the four
 // bf16x2 registers of that fragment, exactly: every e2m1 value is a bf16 value. Byte tables
@@ -200,17 +209,20 @@ MOE_DEVICE const float* nv_scale2(const float* tile_scales, int kc, int mats) {
 
 template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
 struct TileGemv {
+  static constexpr bool FP8B = FMT == MOE_W_FP8_BLOCK || FMT == MOE_W_FP8_BLOCK_A8;  // block-scaled e4m3 weights
+  static constexpr bool A8 = FMT == MOE_W_FP8_BLOCK_A8;
   static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk (FP8, BF16)
   // 16-byte A fragments per lane and chunk, all matrices: MXFP4 packs two matrices in one.
   static constexpr bool FP4 = FMT == MOE_W_MXFP4 || FMT == MOE_W_NVFP4;
   static constexpr int AU = FP4 ? MATS / 2 : MATS * AF;
   static_assert(!FP4 || MATS % 2 == 0, "FP4 tiles pair their matrices");
-  static constexpr int FRAGS = AU + NT;  // 16-byte fragments per lane per chunk
+  static constexpr int XSU = A8 ? (NT + 1) / 2 : 0;  // A8: 16-byte units of this lane's token scales (2 per group)
+  static constexpr int FRAGS = AU + NT + XSU;  // 16-byte fragments per lane per chunk
   // 16-byte units of scales per chunk (the warp's, not a lane's): MXFP4 MATS x 16 E8M0 bytes,
   // NVFP4 MATS x 2 x 16 e4m3 bytes, FP8 one fp32 per matrix.
   static constexpr int SCU = FMT == MOE_W_MXFP4 ? MATS : FMT == MOE_W_NVFP4 ? 2 * MATS
-                             : FMT == MOE_W_FP8_BLOCK ? (MATS * 4 + 15) / 16 : 0;
-  static_assert(SCU <= 32 && (FMT != MOE_W_FP8_BLOCK || MATS <= 32), "a chunk's scales: one copy per lane at most");
+                             : FP8B ? (MATS * 4 + 15) / 16 : 0;
+  static_assert(SCU <= 32 && (!FP8B || MATS <= 32), "a chunk's scales: one copy per lane at most");
   static constexpr int RING_U4 = WARPS * DEPTH * (FRAGS * 32 + SCU);
   static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
   static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
@@ -226,7 +238,7 @@ struct TileGemv {
   static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
                              const int* __restrict__ tok, int n0, int m, uint4* smem,
                              const float* __restrict__ scale = nullptr, int scale_stride = 0,
-                             const float* __restrict__ scale2 = nullptr) {
+                             const float* __restrict__ scale2 = nullptr, const float* __restrict__ xscale = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const bf16_t* xr[NT];
@@ -246,6 +258,16 @@ struct TileGemv {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][mt][i] = 0.0f;
 
+    int xrow[NT][2];  // A8: the activation rows of the lane's output columns, and whether they exist
+    bool xlive[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int n = n0 + j * 8 + 2 * t + b;
+        xlive[j][b] = A8 && n < m;
+        xrow[j][b] = xlive[j][b] ? (tok ? tok[n] : n) : 0;
+      }
     float s_in[MATS], s_out[MATS];  // FP8 per-tensor: each matrix's input scale, and the sums' scale
     if (FMT == MOE_W_FP8_TENSOR) {
 #pragma unroll
@@ -266,7 +288,16 @@ struct TileGemv {
 #pragma unroll
         for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
         uint4* ss = sring + (i % DEPTH) * SCU;
-        if (FMT == MOE_W_FP8_BLOCK) {  // matrix mt's 128-wide K block of chunk c
+        if (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
+          float* xs = reinterpret_cast<float*>(st + (AU + NT) * 32);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              cp_async4_zfill(xs + ((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4,
+                              xscale + (size_t)xrow[j][b] * (KC / 4) + c / 4, xlive[j][b]);
+        }
+        if (FP8B) {  // matrix mt's 128-wide K block of chunk c
           if (lane < MATS) cp_async4(reinterpret_cast<float*>(ss) + lane, scale + lane * scale_stride + c / 4);
         } else if (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
           if (lane < SCU) cp_async16(ss + lane, reinterpret_cast<const uint4*>(scale) + (size_t)c * SCU + lane, true);
@@ -355,6 +386,14 @@ struct TileGemv {
           }
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
+        float xsc[NT][2];  // A8: the output columns' activation scales for this chunk
+        if (A8) {
+          const float* xs = reinterpret_cast<const float*>(st + (AU + NT) * 32);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) xsc[j][b] = xs[((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4];
+        }
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt];
@@ -368,8 +407,13 @@ struct TileGemv {
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_bf16(tmp, k0, bv[j].x, bv[j].y);
             mma_bf16(tmp, k1, bv[j].z, bv[j].w);
+            if (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc, tmp[r], acc[j][mt][r]);
+              for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc * xsc[j][r & 1], tmp[r], acc[j][mt][r]);
+            } else {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc, tmp[r], acc[j][mt][r]);
+            }
           }
         }
       }
@@ -829,7 +873,8 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                              const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
                              const int* __restrict__ slot_token, bf16_t* __restrict__ act,
                              bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w = nullptr,
-                             const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr) {
+                             const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr,
+                             const bf16_t* __restrict__ xq = nullptr, const float* __restrict__ sx = nullptr) {
   using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
   using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH, FMTS>;
   constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
@@ -850,7 +895,8 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                       : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
     const int sc_stride = FMT == MOE_W_FP8_TENSOR ? 2 : E * (I / 128) * KB;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, x, KC * 32, slot_token + begin, n0, m, red, sc, sc_stride, nv_scale2(sc, KC, 2));
+      GR::run(a, FMT == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, slot_token + begin, n0, m, red, sc, sc_stride,
+              nv_scale2(sc, KC, 2), sx);
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -870,7 +916,9 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
       __syncthreads();
     }
   } else if (TIS > 0) {
-    // The shared expert reads only x and its weights: it need not wait for the routing.
+    // The shared expert reads only x and its weights: it need not wait for the routing (with FP8
+    // activations it reads x's codes, which the kernel before it writes).
+    if (FMTS == MOE_W_FP8_BLOCK_A8) grid_dep_wait();
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
@@ -879,8 +927,8 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                       : FMTS == MOE_W_FP8_TENSOR ? ss13
                       : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, x, KC * 32, nullptr, n0, n, red, sc, FMTS == MOE_W_FP8_TENSOR ? 2 : (IS / 128) * KB,
-              nv_scale2(sc, KC, 2));
+      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, nullptr, n0, n, red, sc,
+              FMTS == MOE_W_FP8_TENSOR ? 2 : (IS / 128) * KB, nv_scale2(sc, KC, 2), sx);
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
@@ -913,7 +961,9 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                           const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
                           const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n,
                           const float* __restrict__ b_down = nullptr, const bf16_t* __restrict__ x = nullptr,
-                          const int* __restrict__ topk_ids = nullptr) {
+                          const int* __restrict__ topk_ids = nullptr, const bf16_t* __restrict__ actq = nullptr,
+                          const float* __restrict__ sa = nullptr, const bf16_t* __restrict__ actq_s = nullptr,
+                          const float* __restrict__ sas = nullptr) {
   constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
   using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH, FMT>;
   using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH, FMTS>;
@@ -946,9 +996,10 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                       : FMT == MOE_W_NVFP4 ? nv_scales(s2, (size_t)e * TH + group, KC, TPB)
                       : FMT == MOE_W_FP8_TENSOR ? s2 + (size_t)e * 2
                       : FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
-    const bf16_t* xa = act + (size_t)begin * KC * 32;
+    const bf16_t* xa = (FMT == MOE_W_FP8_BLOCK_A8 ? actq : act) + (size_t)begin * KC * 32;
+    const float* xs = FMT == MOE_W_FP8_BLOCK_A8 ? sa + (size_t)begin * (KC / 4) : nullptr;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0, nv_scale2(sc, KC, TPB));
+      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0, nv_scale2(sc, KC, TPB), xs);
       for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
@@ -967,7 +1018,8 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                       : FMTS == MOE_W_FP8_TENSOR ? ss2
                       : FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, act_s, KCS * 32, nullptr, n0, n, red, sc, 0, nv_scale2(sc, KCS, TPB));
+      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? actq_s : act_s, KCS * 32, nullptr, n0, n, red, sc, 0,
+              nv_scale2(sc, KCS, TPB), sas);
       for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
         const int mt = i / (NTS * 128), j = (i >> 7) % NTS, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) ys[(size_t)tk * H + group * ROWS + mt * 16 + r] = GS::result(red, j, mt, r, col);
@@ -1002,6 +1054,44 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
     if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
     out[(size_t)tk * H + h] = f32_to_bf16(acc);
   }
+}
+
+// ---- FP8 activations (MODELS.md format a): per token and 128 channels ----
+// s = max(amax, 1e-4) / 448 in fp32; the codes e4m3(v / s) are kept as their bf16 values (exact),
+// which the FP8 GEMMs multiply on the tensor cores, scaling each chunk's sums by s. A warp per
+// (row, 128 channels), grid-strided.
+MOE_DEVICE void quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int k,
+                           int rows, int first_warp, int warps) {
+  const int lane = threadIdx.x & 31, kb_count = k / 128;
+  for (int w = first_warp; w < rows * kb_count; w += warps) {
+    const int row = w / kb_count, kb = w % kb_count;
+    const size_t at = (size_t)row * k + kb * 128 + lane * 4;
+    const uint2 v = *reinterpret_cast<const uint2*>(src + at);
+    const float a = fmaxf(fmaxf(fabsf(bf16_to_f32((bf16_t)(v.x & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.x >> 16)))),
+                          fmaxf(fabsf(bf16_to_f32((bf16_t)(v.y & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.y >> 16)))));
+    const float sc = __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
+    *reinterpret_cast<uint2*>(q + at) = make_uint2(quant_e4m3x2(v.x, sc), quant_e4m3x2(v.y, sc));
+    if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
+  }
+}
+
+template <int K, int THREADS>
+MOE_DEVICE void act_quant_body(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
+  grid_dep_wait();  // the previous kernels (and the last call's readers of q) are done
+  grid_dep_launch();
+  quant_rows(src, q, s, K, n, blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), gridDim.x * (THREADS / 32));
+}
+
+// The routed activations (n * KR rows of I) and the shared expert's (n rows of IS, where KS).
+template <int I, int KR, int IS, int KS, int THREADS>
+MOE_DEVICE void act_quant2_body(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa,
+                                const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s,
+                                float* __restrict__ sas, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
+  const int first = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), warps = gridDim.x * (THREADS / 32);
+  if (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
+  if (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
 }
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
