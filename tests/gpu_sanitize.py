@@ -3,18 +3,18 @@
     compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py qwen3-30b-a3b:1,64 mixtral-8x7b:1,64
 """
 
-import math
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from moegen.bench import _random_weights  # every weight format, made on the device
 from moegen.build import render_all, write_dir
 from moegen.plan import make_plan
 from moegen.runtime import load
 from moegen.spec import load_spec
-from moegen.weights import expected
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ for arg in sys.argv[1:]:
     plan = make_plan(spec)
     out = Path(tempfile.mkdtemp()) / spec.name
     write_dir(out, render_all(spec, plan))
-    w = {k: (torch.randn(s, device="cuda") / math.sqrt(s[-1])).to(torch.bfloat16) for k, s in expected(plan).items()}
+    w = _random_weights(plan, np.random.default_rng())
     layer = load(out, w)
     for n in map(int, counts.split(",")):
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)

@@ -53,9 +53,10 @@ if [ "$mode" = all ] || [ "$mode" = checks ]; then
   run gpu-features pytest_gpu tests/test_gpu_features.py tests/test_gpu_ep.py
   run gpu-oracle pytest_gpu tests/test_oracle.py tests/test_hf.py
   run memcheck compute-sanitizer --tool memcheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
-      qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64
+      qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64 qwen3-30b-a3b-nvfp4:1,16 qwen3-30b-a3b-fp8:1,16
+  # the quantized layers share each chunk's scales across a warp's lanes through shared memory
   run racecheck compute-sanitizer --tool racecheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
-      olmoe-1b-7b:1,16 deepseek-v2-lite:2
+      olmoe-1b-7b:1,16 deepseek-v2-lite:2 qwen3-30b-a3b-mxfp4:1,16 qwen3-30b-a3b-fp8:2
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for s in qwen3-30b-a3b qwen3-next-80b-a3b mixtral-8x7b; do
