@@ -271,3 +271,32 @@ def test_nvfp4_tile_product_as_the_kernel_reads_it(interleaved):
                 scale = np.repeat(_e4m3(sc[f"{src}_scale"][ex].view(np.uint8)), 16, axis=-1)
                 w *= scale * float(sc[f"{src}_scale_2"][ex])
                 _check_tile(d[mt], w, (tile * 2 + mt) * 16 if interleaved else tile * 16, rows, x)
+
+
+def test_fp8_tensor_scales_where_the_kernels_read_them():
+    """FP8 per-tensor: gate/up blocks read matrix mt's weight and input scales at s13[e * 4 + mt * 2]
+    and [+ 1], down blocks at s2[e * 2] and [+ 1] (the shared expert's without e); the packed
+    record puts each source's pair there."""
+    from moegen.plan import make_plan
+    from moegen.spec import parse_spec
+    from moegen.weights import fp8_tensor_scales, tensors
+
+    spec = parse_spec({"name": "t", "model": "t", "hidden_size": 256, "experts": {
+        "count": 5, "top_k": 2, "intermediate_size": 128, "format": "fp8_tensor"},
+        "shared_expert": {"intermediate_size": 96, "format": "fp8_tensor"}}, check_generated=False)
+    plan = make_plan(spec)
+    rng = np.random.default_rng()
+    given = {n: rng.uniform(0.1, 1.0, shape).astype(np.float32) for n, (shape, dt) in tensors(plan).items()
+             if n.endswith(("_scale", "_input_scale"))}
+    for pw in plan.weights:
+        if pw.format != "fp8_tensor":
+            continue
+        flat = fp8_tensor_scales(pw, given).reshape(-1)
+        experts = range(5) if pw.experts else [None]
+        for e in experts:
+            for mt, src in enumerate(pw.sources):
+                at = ((e or 0) * len(pw.sources) + mt) * 2
+                ws, ins = given[f"{src}_scale"], given[f"{src}_input_scale"]
+                assert flat[at] == (ws[e] if e is not None else ws) and flat[at + 1] == (ins[e] if e is not None else ins)
+    assert {pw.name: len(pw.sources) for pw in plan.weights if pw.format == "fp8_tensor"} == {
+        "w13": 2, "w2": 1, "ws13": 2, "ws2": 1}  # the strides the templates use: 4 and 2 per expert
