@@ -70,10 +70,14 @@ def _f64(a: np.ndarray) -> np.ndarray:
 
 def _weight(weights: Weights, name: str, shape: tuple[int, ...], expert: int | None = None) -> np.ndarray:
     """One named weight in float64, shape-checked; with `expert`, only that expert's slice
-    (a whole stacked tensor in float64 can be many GB)."""
+    (a whole stacked tensor in float64 can be many GB). A weight may be any object with a
+    `shape` whose `[e]` is expert e's matrix and that converts with np.asarray (e.g. quantized
+    experts dequantized one at a time)."""
     if name not in weights:
         raise KeyError(f"reference: the spec needs weight {name!r}, which is missing")
-    a = np.asarray(weights[name])
+    a = weights[name]
+    if not hasattr(a, "shape"):
+        a = np.asarray(a)
     if a.shape != shape:
         raise ValueError(f"reference: weight {name!r} has shape {a.shape}, expected {shape}")
     return _f64(a if expert is None else a[expert])

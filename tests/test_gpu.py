@@ -70,15 +70,16 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
             ref_w[name] = layer_w[name]
         else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition;
             # one matrix at a time (the largest specs' fp32 temporaries would not fit at once)
-            codes, scales, deqs = [], [], []
+            codes, scales = [], []
             for _ in range(math.prod(shape[:-2])):
-                c, sc, d = _fp8_block(torch.randn(shape[-2:], device="cuda") / math.sqrt(shape[-1]), torch)
+                c, sc = _fp8_block(torch.randn(shape[-2:], device="cuda") / math.sqrt(shape[-1]), torch)
                 codes.append(c.view(torch.uint8).cpu().numpy())
                 scales.append(sc.cpu().numpy())
-                deqs.append(d.cpu().numpy())
-            layer_w[name] = np.stack(codes).reshape(shape).view(ml_dtypes.float8_e4m3fn)
-            layer_w[f"{name}_scale_inv"] = np.stack(scales).reshape(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
-            ref_w[name] = np.stack(deqs).reshape(shape)
+            q = np.stack(codes).reshape(shape).view(ml_dtypes.float8_e4m3fn)
+            s = np.stack(scales).reshape(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
+            layer_w[name], layer_w[f"{name}_scale_inv"] = q, s
+            ref_w[name] = _per_expert(shape, lambda e, q=q, s=s: _fp8_block_values(q[e], s[e]),
+                                      lambda q=q, s=s: _fp8_block_values(q, s))
     return layer_w, ref_w
 
 
@@ -92,7 +93,8 @@ def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: di
     w_scale = (rng.uniform(0.5, 1.0, shape[:-2]) / (16 * math.sqrt(shape[-1]))).astype(np.float32)
     in_scale = rng.uniform(2.0, 4.0, shape[:-2]).astype(np.float32) / 448.0
     layer_w[name], layer_w[f"{name}_scale"], layer_w[f"{name}_input_scale"] = codes, w_scale, in_scale
-    ref_w[name] = codes.astype(np.float64) * w_scale.astype(np.float64)[..., None, None]
+    ref_w[name] = _per_expert(shape, lambda e: codes[e].astype(np.float64) * np.float64(w_scale[e]),
+                              lambda: codes.astype(np.float64) * np.float64(w_scale))
     ref_w[f"{name}_input_scale"] = in_scale
 
 
@@ -107,22 +109,50 @@ def _rand_fp4(name: str, shape: tuple[int, ...], plan: Plan, layer_w: dict, ref_
         scale = rng.integers(0x28, 0x40, (*shape[:-1], k // 16), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
         s2 = (rng.uniform(0.5, 1.0, shape[:-2]) / (6 * math.sqrt(k))).astype(np.float32)
         layer_w[f"{name}_scale"], layer_w[f"{name}_scale_2"] = scale, s2
-        ref_w[name] = NVFP4Weight(codes, scale, s2[..., None], (shape[-2],), k).dequantize()
+        ref_w[name] = _per_expert(
+            (*shape[:-1], k), lambda e: NVFP4Weight(codes[e], scale[e], s2[e][..., None], (shape[-2],), k).dequantize(),
+            lambda: NVFP4Weight(codes, scale, s2[..., None], (shape[-2],), k).dequantize())
     else:  # MXFP4: E8M0 scales around 1 / (6 sqrt(K))
         lo = 127 - math.ceil(math.log2(6 * math.sqrt(k)))
         scale = rng.integers(lo, lo + 3, (*shape[:-1], k // 32), dtype=np.uint8)
         layer_w[f"{name}_scale"] = scale
-        ref_w[name] = MXFP4Weight(codes, scale, k).dequantize()
+        ref_w[name] = _per_expert((*shape[:-1], k), lambda e: MXFP4Weight(codes[e], scale[e], k).dequantize(),
+                                  lambda: MXFP4Weight(codes, scale, k).dequantize())
 
 
-def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any, Any]:
+def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any]:
     r, k = w.shape[-2:]
     blocks = w.reshape(*w.shape[:-2], r // 128, 128, k // 128, 128)
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.clamp(amax, min=1e-12) / 448.0
     full = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
-    codes = (w / full).to(torch.float8_e4m3fn)
-    return codes, scale, codes.to(torch.float32) * full
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_block_values(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """W = q * s[i // 128, j // 128] in float64 (exact), for one matrix."""
+    return q.astype(np.float64) * np.repeat(np.repeat(s.astype(np.float64), 128, -2), 128, -1)
+
+
+class PerExpert:
+    """A stacked quantized weight [E, R, K] as the reference reads it: [e] dequantizes expert e
+    alone, in float64 (a large checkpoint whole in float64 would not fit in host memory)."""
+
+    def __init__(self, shape: tuple[int, ...], matrix: Any) -> None:
+        self.shape, self._matrix = tuple(shape), matrix
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        return self._matrix(e)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = np.stack([self._matrix(e) for e in range(self.shape[0])])
+        return a if dtype is None else a.astype(dtype)
+
+
+def _per_expert(shape: tuple[int, ...], matrix: Any, whole: Any) -> Any:
+    """Expert e's float64 values on demand for stacked weights; a matrix without an expert axis
+    (the shared expert's) dequantized at once."""
+    return PerExpert(shape, matrix) if len(shape) == 3 else whole()
 
 
 def _host(t: Any) -> np.ndarray:
