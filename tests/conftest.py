@@ -14,9 +14,9 @@ SPECS = sorted((ROOT / "specs").glob("*.yaml"))
 if os.environ.get("MOEGEN_TIER_SPECS"):  # e.g. "qwen3-30b-a3b,mixtral-8x7b": a part of the catalog
     _keep = set(os.environ["MOEGEN_TIER_SPECS"].split(","))
     SPECS = [p for p in SPECS if p.stem in _keep]
-elif os.environ.get("MOEGEN_TIER_PART") in ("1", "2"):  # every other spec: two halves of similar cost
-    _keep = {p.stem for p in SPECS[int(os.environ["MOEGEN_TIER_PART"]) - 1::2]}
-    SPECS = [p for p in SPECS if p.stem in _keep]
+elif os.environ.get("MOEGEN_TIER_PART"):  # "i" of two halves, or "i/k": every k-th spec from the i-th
+    _i, _, _k = os.environ["MOEGEN_TIER_PART"].partition("/")
+    SPECS = SPECS[int(_i) - 1::int(_k or 2)]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,7 @@
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
 #   bash tests/run_gpu_tier.sh            everything (about 15 minutes on one H200)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
-#   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest
+#   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
 #   bash tests/run_gpu_tier.sh checks     the feature (FP4 included), expert-parallel and oracle tests; sanitizers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models and of the quantized layers
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
@@ -49,6 +49,9 @@ fi
 if [ "$mode" = tier1 ] || [ "$mode" = tier2 ]; then
   MOEGEN_TIER_PART="${mode#tier}" run "gpu-$mode" pytest_gpu tests/test_gpu.py
 fi
+case "$mode" in tier[1-9]of[1-9])  # e.g. tier1of3: every third spec from the first
+  part="${mode#tier}"; MOEGEN_TIER_PART="${part%of*}/${part#*of}" run "gpu-$mode" pytest_gpu tests/test_gpu.py ;;
+esac
 if [ "$mode" = all ] || [ "$mode" = checks ]; then
   run gpu-features pytest_gpu tests/test_gpu_features.py tests/test_gpu_ep.py
   run gpu-oracle pytest_gpu tests/test_oracle.py tests/test_hf.py
