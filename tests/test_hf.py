@@ -475,7 +475,12 @@ def test_fp8_per_tensor_checkpoint_keeps_codes_and_both_scales(tmp_path: Path):
         assert np.array_equal(got[f"experts.{p}_input_scale"], np.array([routed[x, p].input_scale for x in range(e)]))
         assert got[f"shared_expert.{p}_input_scale"] == shared[p].input_scale
         assert np.array_equal(got[f"shared_expert.{p}"].view(np.uint8), shared[p].q.view(np.uint8))
+    tensors[f"{pre}experts.1.up_proj.input_scale"] = np.array([0.01], np.float16)
+    safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.input_scale: float16 \[1\], expected a float32 scalar"):
+        load_layer(tmp_path, spec, 1)
     del tensors[f"{pre}experts.3.down_proj.input_scale"]
+    tensors[f"{pre}experts.1.up_proj.input_scale"] = routed[1, "up_proj"].input_scale
     safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(MissingTensor, match=r"missing tensor model\.layers\.1\.mlp\.experts\.3\.down_proj\.input_scale"):
         load_layer(tmp_path, spec, 1)
