@@ -982,6 +982,8 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
       const int e = min(max(__ldcg(slot_expert + slot), 0), E_LOCAL - 1);
       prefetch_l2(w2 + ((size_t)e * TH + blockIdx.x % TH) * KC * GR::AU * 32, KC * GR::AU * 512);
     }
+  } else if (PREFETCH && KCS > 0 && threadIdx.x == 0) {  // the shared expert's tile needs no routing
+    prefetch_l2(ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * GS::AU * 32, KCS * GS::AU * 512);
   }
   grid_dep_wait();
   grid_dep_launch();
