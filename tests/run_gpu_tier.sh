@@ -70,6 +70,9 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
            gpt-oss-120b-mxfp4 longcat-flash gpt-oss-120b; do
     run "bench-$s" bench "specs/$s.yaml" --tokens 1,8,64 --stages --json "$out/bench-$s.json"
   done
+  for s in qwen3-30b-a3b-fp8-a8 qwen3-30b-a3b-fp8-tensor; do  # modes awaiting their GPU check
+    run "bench-$s" bench "tests/data/pending/$s.yaml" --pending --tokens 1,8,64 --stages --json "$out/bench-$s.json"
+  done
   for f in "$out"/bench-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -6,11 +6,12 @@ is still refused by the spec until it runs across GPUs."""
 from __future__ import annotations
 
 import pytest
+from conftest import PENDING as PENDING_SPECS
 
 from moegen.build import render_all
 from moegen.nvrtc import compile_cuda
 from moegen.plan import make_plan
-from moegen.spec import SpecError, not_generated, parse_spec
+from moegen.spec import SpecError, load_spec, not_generated, parse_spec
 from moegen.weights import tensors
 
 BASE = {"name": "f", "model": "f", "hidden_size": 1024}
@@ -82,6 +83,17 @@ def test_feature_is_accepted_by_the_spec(case):
 def test_pending_feature_is_refused_by_name(case):
     with pytest.raises(SpecError, match="is not generated yet"):
         parse_spec({**BASE, **PENDING[case]})
+
+
+@pytest.mark.parametrize("path", PENDING_SPECS, ids=lambda p: p.stem)
+def test_pending_spec_is_refused_and_compiles_clean(path):
+    """tests/data/pending: model layers in the pending modes, for the GPU tier and bench."""
+    with pytest.raises(SpecError, match="is not generated yet"):
+        load_spec(path)
+    spec = load_spec(path, check_generated=False)
+    res = compile_cuda(render_all(spec, make_plan(spec))["layer.cu"], spec.arch).resources
+    bad = {n: r for n, r in res.items() if r.spill_stores or r.spill_loads or r.stack_bytes}
+    assert not bad, f"{spec.name}: spills or stack: {bad}"
 
 
 @pytest.mark.parametrize("case", sorted(ALL))
