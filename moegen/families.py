@@ -79,14 +79,17 @@ class Tuning:
     """Choices the analytic plan makes that a measurement on the GPU may revise (`moegen tune`):
     warps per gate/up and down block (K is split over them; fewer where a kernel's ring would not
     fit, see _warps), 16-row tiles per down block, and whether down blocks prefetch their weights
-    into L2 before waiting for gate/up. The defaults are the analytic plan's; kernel names carry
-    any other value."""
+    into L2 before waiting for gate/up, and the router's K split. The defaults are the analytic
+    plan's; kernel names carry any other value."""
 
     warps: int = WARPS
     down_tiles: int = DOWN_TILES
     # Down blocks that start early (programmatic dependent launch, while gate/up still runs) ask
     # L2 for their weight tile before they wait: the down weights stream during gate/up.
     prefetch: bool = False
+    # The router's K split (0: the analytic one, the smallest that gives every SM a block): fewer,
+    # longer router blocks leave fewer partial sums to add before the route.
+    router_split: int = 0
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -98,6 +101,10 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
+        kc = h // 32
+        if self.router_split and (self.router_split < 0 or kc % self.router_split or kc // self.router_split < WARPS):
+            raise TuningError(f"tuning router_split={self.router_split}: a divisor of hidden_size/32={kc} leaving "
+                              f"at least {WARPS} chunks per block")
 
 
 
@@ -161,7 +168,8 @@ class Layer:
         rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
         return cls(
             spec=spec, h=h, e=e, z=z, k=k, i=i, si=sh.intermediate_size if sh else 0, gated=gated,
-            nmax=spec.max_tokens, rows_pad=rows_pad, ksplit=ksplit(rows_pad // 16, h // 32, target),
+            nmax=spec.max_tokens, rows_pad=rows_pad,
+            ksplit=(tune.router_split if tune and tune.router_split else ksplit(rows_pad // 16, h // 32, target)),
             fmt_e=spec.experts.format.value, fmt_s=sh.format.value if sh else "bf16",
             kf_e=_kernel_format(spec.experts.format.value, spec), kf_s=_kernel_format(sh.format.value if sh else "bf16", spec),
             woi=r.weight_on_input, bias=spec.experts.bias, hashed=r.hash_vocab_size is not None,

@@ -627,11 +627,13 @@ def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.Mon
     out = tmp_path / "out"
     out.mkdir()
     name = load_spec(QWEN).name
-    (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 8, "down_tiles": 1, "prefetch": True, "gpu": "test"}))
+    (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 8, "down_tiles": 1, "prefetch": True, "router_split": 4,
+                                                         "gpu": "test"}))
     r = build(QWEN, out)
     names = [k.name for k in r.plan.kernels]
     assert any("_w8_" in n for n in names if n.startswith("moe_gate_up")), names
     assert all("_t1_pf_" in n for n in names if n.startswith("moe_down")), names
+    assert all("_ks4_" in n for n in names if n.startswith("moe_router")), names
     assert set(r.compiled.resources) == set(names)  # every kernel compiled (moegen tune weighs any spills)
     assert sorted(os.listdir(out)) == sorted([name, f"{name}.tuning.json"])
     (out / f"{name}.tuning.json").write_text("{\"warps\": 8}")
@@ -641,6 +643,9 @@ def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.Mon
     assert (out / name / CUDA_FILE).read_text() == before
     (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 4, "down_tiles": 2, "prefetch": "yes"}))
     with pytest.raises(BuildError, match="prefetch is 'yes', not true or false"):
+        build(QWEN, out)
+    (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 4, "down_tiles": 2, "router_split": 3}))
+    with pytest.raises(PlanError, match="tuning router_split=3: a divisor of hidden_size/32=64"):
         build(QWEN, out)
     (out / f"{name}.tuning.json").write_text(json.dumps({"warps": 3, "down_tiles": 2}))
     with pytest.raises(PlanError, match="tuning warps=3: 2, 4 or 8"):

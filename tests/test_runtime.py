@@ -131,7 +131,8 @@ def test_every_kernel_gets_every_pointer(fake_cuda, case):
     _check_pointers(fake_cuda, case[1], make_plan(case[1]))
 
 
-@pytest.mark.parametrize("tuning", [Tuning(8, 1), Tuning(2, 4), Tuning(8, 2), Tuning(4, 2, True)], ids=str)
+@pytest.mark.parametrize("tuning", [Tuning(8, 1), Tuning(2, 4), Tuning(8, 2), Tuning(4, 2, True), Tuning(router_split=4)],
+                         ids=str)
 @pytest.mark.parametrize("name", ["shared_gate", "fp8", "mxfp4"])
 def test_tuned_plans_get_every_pointer(fake_cuda, name, tuning):
     """Plans revised by moegen tune (other warps per block, other down tiles) launch as completely."""
