@@ -114,7 +114,7 @@ def to_host(obj: Any, name: str = "array") -> np.ndarray:
 
 
 def _by_experts(pieces: Mapping[str, list[tuple[str, Any]]], sources: tuple[str, ...],
-                pack: Callable[[dict[str, np.ndarray]], np.ndarray], step: int = 8) -> np.ndarray:
+                pack: Callable[[dict[str, np.ndarray]], np.ndarray], step: int = 4) -> np.ndarray:
     """pack({source: uint8 codes [E, R, K']}) for expert-stacked weights, `step` experts at a time
     on a thread pool (NumPy's copies release the GIL: packing a large checkpoint's codes is a
     strided permutation of gigabytes), into one array; a matrix without an expert axis at once."""
@@ -136,7 +136,7 @@ def _by_experts(pieces: Mapping[str, list[tuple[str, Any]]], sources: tuple[str,
     def fill(a: int) -> None:
         out[a : a + step] = pack({src: codes(src, a, min(a + step, n)) for src in sources})
 
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # bounded temporaries
         list(pool.map(fill, range(step, n, step)))
     return out
 
