@@ -163,9 +163,32 @@ def floor_bytes(plan: Plan, n: int, distinct_experts: int) -> int:
 
 
 def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, json_path: str | None = None,
-              compare: bool = False, stages: bool = False, out_root: str = "generated", pending: bool = False) -> int:
+              compare: bool = False, stages: bool = False, out_root: str = "generated", pending: bool = False,
+              vs: str | None = None) -> int:
     from cuda.core import Device
 
+    device = Device()
+    device.set_current()
+    timer = _Timer()
+    bw = copy_bandwidth(timer, device)
+    result = _measure(spec_path, tokens, layers, compare, stages, out_root, pending, device, timer, bw)
+    _print(result)
+    if vs:  # another spec (e.g. the BF16 layer of a quantized one) in the same run, same token counts
+        other = _measure(vs, [r["tokens"] for r in result["rows"]], layers, False, stages, out_root, pending,
+                         device, timer, bw)
+        _print(other)
+        result["vs"] = {"spec": other["spec"], "rows": other["rows"],
+                        "time_ratio": {str(a["tokens"]): a["us"] / b["us"] for a, b in zip(result["rows"], other["rows"])}}
+        print(f"time {result['spec']} / {other['spec']}: "
+              + ", ".join(f"N={n} {r:.2f}" for n, r in result["vs"]["time_ratio"].items()))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: bool, stages: bool, out_root: str,
+             pending: bool, device: Any, timer: _Timer, bw: float) -> dict[str, Any]:
+    """One spec's rows: us per layer, distinct experts, floor bytes and roofline per token count."""
     spec = load_spec(spec_path, check_generated=not pending)
     if pending and not_generated(spec):
         print(f"{spec.name}: timing a refused spec ({'; '.join(not_generated(spec))}): its results are not checked here")
@@ -174,8 +197,6 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     if not (gen / "launcher.py").is_file():
         gen = Path(tempfile.mkdtemp()) / spec.name
         write_dir(gen, render_all(spec, plan))
-    device = Device()
-    device.set_current()
     rng = np.random.default_rng()
     compare = compare and _can_compare(spec)
     layers = _layer_count(plan, layers, device)
@@ -185,8 +206,6 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
         stack.append(load(gen, w, device=device))
         weights.append(w if compare else None)
         del w
-    timer = _Timer()
-    bw = copy_bandwidth(timer, device)
     props = device.properties
     tokens = tokens or [b.max_tokens for b in plan.buckets]
     rows = []
@@ -206,15 +225,11 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
                 row[f"{name}_us"] = us
                 row[f"speedup_vs_{name}"] = us / row["us"]
         rows.append(row)
-    result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
-              "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
-              "rows": rows}
     for layer in stack:
         layer.close()
-    _print(result)
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
+            "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
+            "rows": rows}
 
 
 def time_stack(timer: _Timer, stack: list[Layer], xs: list[Any]) -> float:

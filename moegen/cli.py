@@ -59,7 +59,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         return run_ep_bench(args.spec, args.ep_size, tokens=tokens, json_path=args.json)
     return run_bench(args.spec, tokens=tokens, layers=args.layers, json_path=args.json, compare=args.compare,
-                     stages=args.stages, out_root=args.out, pending=args.pending)
+                     stages=args.stages, out_root=args.out, pending=args.pending, vs=args.vs)
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                         "per-rank, all-reduce and whole-layer times")
     m.add_argument("--pending", action="store_true",
                    help="also time a spec the generator still refuses (a kernel awaiting its GPU check)")
+    m.add_argument("--vs", metavar="SPEC",
+                   help="also time this spec in the same run (e.g. the BF16 layer of a quantized one) and print the "
+                        "time ratio per token count")
     m.set_defaults(fn=_cmd_bench)
     t = sub.add_parser("tune", help="time variants of the plan's block shapes on this GPU; --write keeps the best")
     t.add_argument("spec")

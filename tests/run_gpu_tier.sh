@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU tier, for a GPU machine with PyTorch (run from the repository root). Logs and bench JSON
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
-#   bash tests/run_gpu_tier.sh            everything (about 15 minutes on one H200)
+#   bash tests/run_gpu_tier.sh            everything (longer than one 10-minute device call: use the modes)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
 #   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
 #   bash tests/run_gpu_tier.sh checks     the feature (FP4 included), expert-parallel and oracle tests; sanitizers
-#   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models and of the quantized layers
+#   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, LongCat and GPT-OSS-120B
+#   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
 #   bash tests/run_gpu_tier.sh tune       moegen tune of Qwen3-30B-A3B (warps, down tiles, prefetch, router split)
-# Each mode but the first two fits one 10-minute device call (tier: about 10 minutes, tier1 + tier2 half each).
+# Each of the other modes is meant to fit one 10-minute device call (the tier in thirds: tier1of3 ..).
 set -uo pipefail
 out="${OUT:-gpu-logs}"
 mode="${1:-all}"
@@ -65,15 +66,26 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for s in qwen3-30b-a3b qwen3-next-80b-a3b mixtral-8x7b; do
     run "bench-$s" bench "specs/$s.yaml" --tokens 1,2,8,64,256 --stages --compare --json "$out/bench-$s.json"
   done
-  # the quantized layers (host packing of FP4 takes a while for each of the 4 layers per replay)
-  for s in qwen3-30b-a3b-fp8 qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-nvfp4 deepseek-v3-fp8 deepseek-v3-nvfp4 \
-           gpt-oss-120b-mxfp4 longcat-flash gpt-oss-120b; do
+  for s in longcat-flash gpt-oss-120b; do
     run "bench-$s" bench "specs/$s.yaml" --tokens 1,8,64 --stages --json "$out/bench-$s.json"
   done
+fi
+if [ "$mode" = all ] || [ "$mode" = benchq ]; then
+  # the quantized layers against their BF16 layer in the same run (time ratio per N)
+  for s in qwen3-30b-a3b-fp8 qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-nvfp4; do
+    run "bench-$s" bench "specs/$s.yaml" --tokens 1,8,64 --stages --vs specs/qwen3-30b-a3b.yaml --json "$out/bench-$s.json"
+  done
+  for s in deepseek-v3-fp8 deepseek-v3-nvfp4; do
+    run "bench-$s" bench "specs/$s.yaml" --tokens 1,64 --vs specs/deepseek-v3.yaml --json "$out/bench-$s.json"
+  done
+  run bench-gpt-oss-120b-mxfp4 bench specs/gpt-oss-120b-mxfp4.yaml --tokens 1,64 --vs specs/gpt-oss-120b.yaml \
+      --json "$out/bench-gpt-oss-120b-mxfp4.json"
   for s in qwen3-30b-a3b-fp8-a8 qwen3-30b-a3b-fp8-tensor; do  # modes awaiting their GPU check
     run "bench-$s" bench "tests/data/pending/$s.yaml" --pending --tokens 1,8,64 --stages --json "$out/bench-$s.json"
   done
-  for f in "$out"/bench-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
+fi
+if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = benchq ]; then
+  for f in "$out"/bench-*.log; do echo "== $f"; grep -E "^ +[0-9]+ |^time " "$f"; done
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 # one archive of every log and JSON, for machines that return only a few files

@@ -46,3 +46,51 @@ def test_bench_sizes_every_catalog_layer():
     sizes = {p.stem: weight_bytes(make_plan(load_spec(p, check_generated=False))) for p in SPECS + PENDING}
     assert sizes["qwen3-30b-a3b"] == 2 * (128 * 3 * 768 * 2048 + 128 * 2048)
     assert sizes["qwen3-30b-a3b-mxfp4"] < sizes["qwen3-30b-a3b-fp8"] < sizes["qwen3-30b-a3b"]
+
+
+def test_bench_vs_times_both_specs_in_one_run(monkeypatch, tmp_path, capsys):
+    """moegen bench --vs: the second spec is timed in the same run at the same token counts, and
+    the time ratio per count is printed and kept in the JSON. The device, the layers and the
+    clock are stand-ins here (what the numbers are is the GPU's business)."""
+    import json
+    import types
+
+    import cuda.core
+
+    from moegen import bench
+
+    class FakeLayer:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def routing(self, n):
+            return np.arange(n * self.plan.top_k).reshape(n, -1) % self.plan.experts, None
+
+        def close(self):
+            pass
+
+    fake_device = types.SimpleNamespace(set_current=lambda: None, properties=types.SimpleNamespace(multiprocessor_count=132),
+                                        name="fake", device_id=0)
+    monkeypatch.setattr(cuda.core, "Device", lambda: fake_device)
+    monkeypatch.setattr(bench, "_Timer", lambda: None)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda timer, device: 4e12)
+    monkeypatch.setattr(bench, "_layer_count", lambda plan, layers, device: 2)
+    monkeypatch.setattr(bench, "_random_weights", lambda plan, rng: {})
+    monkeypatch.setattr(bench, "_random_x", lambda plan, n, rng: n)
+    plans = {}
+
+    def fake_load(gen, w, device=None):
+        plan = plans.setdefault(gen.name, bench.tuned_plan(bench.load_spec(f"specs/{gen.name}.yaml"), "generated"))
+        return FakeLayer(plan)
+
+    monkeypatch.setattr(bench, "load", fake_load)
+    times = {"qwen3-30b-a3b-fp8": 27.0, "qwen3-30b-a3b": 36.0}
+    monkeypatch.setattr(bench, "time_stack", lambda timer, stack, xs: times[next(k for k in plans if stack[0].plan is plans[k])])
+    out = tmp_path / "b.json"
+    assert bench.run_bench("specs/qwen3-30b-a3b-fp8.yaml", tokens=[1, 8], json_path=str(out),
+                           vs="specs/qwen3-30b-a3b.yaml") == 0
+    printed = capsys.readouterr().out
+    assert "time qwen3-30b-a3b-fp8 / qwen3-30b-a3b: N=1 0.75, N=8 0.75" in printed
+    got = json.loads(out.read_text())
+    assert got["spec"] == "qwen3-30b-a3b-fp8" and got["vs"]["spec"] == "qwen3-30b-a3b"
+    assert got["vs"]["time_ratio"] == {"1": 0.75, "8": 0.75} and [r["tokens"] for r in got["vs"]["rows"]] == [1, 8]
