@@ -4,7 +4,8 @@
 #   bash tests/run_gpu_tier.sh            everything (longer than one 10-minute device call: use the modes)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
 #   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
-#   bash tests/run_gpu_tier.sh checks     the feature (FP4 included), expert-parallel and oracle tests; sanitizers
+#   bash tests/run_gpu_tier.sh checks     the feature (FP4, pending FP8 modes), expert-parallel and oracle tests
+#   bash tests/run_gpu_tier.sh sanitize   compute-sanitizer memcheck and racecheck of BF16 and quantized layers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, LongCat and GPT-OSS-120B
 #   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
@@ -56,6 +57,8 @@ esac
 if [ "$mode" = all ] || [ "$mode" = checks ]; then
   run gpu-features pytest_gpu tests/test_gpu_features.py tests/test_gpu_ep.py
   run gpu-oracle pytest_gpu tests/test_oracle.py tests/test_hf.py
+fi
+if [ "$mode" = all ] || [ "$mode" = sanitize ]; then
   run memcheck compute-sanitizer --tool memcheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
       qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64 qwen3-30b-a3b-nvfp4:1,16 qwen3-30b-a3b-fp8:1,16
   # the quantized layers share each chunk's scales across a warp's lanes through shared memory
