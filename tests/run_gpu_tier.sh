@@ -8,7 +8,7 @@
 #   bash tests/run_gpu_tier.sh sanitize   compute-sanitizer memcheck and racecheck of BF16 and quantized layers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, LongCat and GPT-OSS-120B
 #   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
-#   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B)
+#   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B: BF16, MXFP4, FP8)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
 #   bash tests/run_gpu_tier.sh tune       moegen tune of Qwen3-30B-A3B (warps, down tiles, prefetch, router split)
 # Each of the other modes is meant to fit one 10-minute device call (the tier in thirds: tier1of3 ..).
@@ -29,7 +29,7 @@ bench() { python3 -W ignore -m moegen bench "$@"; }
 if [ "$mode" = profile ]; then
   ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
       --section MemoryWorkloadAnalysis -k regex:"moe_(router|route|gate|down)" \
-      python3 -W ignore tests/gpu_sanitize.py qwen3-30b-a3b:1 qwen3-next-80b-a3b:1 >"$out/ncu.txt" 2>&1
+      python3 -W ignore tests/gpu_sanitize.py qwen3-30b-a3b:1 qwen3-30b-a3b-mxfp4:1 qwen3-30b-a3b-fp8:1 >"$out/ncu.txt" 2>&1
   grep -E "^  moe_|Duration|DRAM Throughput|Achieved Occupancy|Waves Per SM" "$out/ncu.txt"
   exit 0
 fi
