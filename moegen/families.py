@@ -153,6 +153,20 @@ class Layer:
     tune: Tuning = Tuning()
 
     @property
+    def a8_routed(self) -> bool:
+        """The routed experts' GEMMs take FP8 activations (codes and per-token scales)."""
+        return self.kf_e == "fp8_block_a8"
+
+    @property
+    def a8_shared(self) -> bool:
+        """The shared expert's GEMMs take FP8 activations."""
+        return self.kf_s == "fp8_block_a8" and self.si > 0
+
+    @property
+    def a8(self) -> bool:
+        return self.a8_routed or self.a8_shared
+
+    @property
     def ep_tag(self) -> str:
         return f"_ep{self.ep_size}r{self.ep_rank}" if self.ep_size > 1 else ""
 
@@ -339,7 +353,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
             ("bf16_t* __restrict__ act", "act", "ws.act"), ("bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
             ("int n", "n", "n"))
-    a8 = "fp8_block_a8" in (c.kf_e, c.kf_s)
+    a8 = c.a8
     extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias or a8 else ()
     if c.bias or a8:  # (positional: FP8 activations' pointers come after these, null where unused)
         extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
@@ -371,7 +385,7 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             ("const int* __restrict__ pair_pos", "pair_pos", "ws.pair_pos"),
             ("const float* __restrict__ gate_s", "gate_s", "ws.gate_s"), ("int* tile_done", "tile_done", "ws.tile_done"),
             ("bf16_t* __restrict__ out", "out", "out"), ("int n", "n", "n"))
-    a8 = "fp8_block_a8" in (c.kf_e, c.kf_s)
+    a8 = c.a8
     extra: Extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if c.bias or c.z or a8 else ()
     if c.z or a8:
         extra += (("const bf16_t* __restrict__ x", "x", c.x_expert),
@@ -393,14 +407,14 @@ def act_quant_kernel(c: Layer, what: str) -> Kernel | None:
     routed and shared activations (what="act": before down) as e4m3 codes per token and 128
     channels, with their fp32 scales. None where no GEMM of that input takes FP8 activations."""
     if what == "x":
-        if "fp8_block_a8" not in (c.kf_e, c.kf_s):
+        if not c.a8:
             return None
         name = f"moe_act_quant_x_h{c.h}_{c.spec.arch}"
         return _kernel(name, "act_quant", QUANT_THREADS, (str(c.h), str(QUANT_THREADS)),
                        (("const bf16_t* __restrict__ src", "src", c.x_expert), ("bf16_t* __restrict__ q", "q", "ws.xq"),
                         ("float* __restrict__ s", "s", "ws.sx"), ("int n", "n", "n")), (), "act_quant_body",
                        "x as e4m3 codes per token and 128 channels, for the FP8 GEMMs")
-    routed, shared = c.kf_e == "fp8_block_a8", c.kf_s == "fp8_block_a8" and c.si > 0
+    routed, shared = c.a8_routed, c.a8_shared
     if not (routed or shared):
         return None
     name = "moe_act_quant" + (f"_i{c.i}k{c.k}" if routed else "") + (f"_s{c.si}" if shared else "") + f"_{c.spec.arch}"

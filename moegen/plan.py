@@ -256,8 +256,7 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
           if (xq := F.act_quant_kernel(c, "x")) else ()),
         Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1),
                gate_up.threads, pdl=True),
-        *((Launch(add(aq), (_quant_grid(nb * c.k * (c.i // 128) * (c.kf_e == "fp8_block_a8")
-                                        + nb * (c.si // 128) * (c.kf_s == "fp8_block_a8")), 1), aq.threads, pdl=True),)
+        *((Launch(add(aq), (_quant_grid(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
           if (aq := F.act_quant_kernel(c, "act")) else ()),
         Launch(add(down := F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1),
                down.threads, pdl=True),
@@ -273,8 +272,7 @@ def _quant_grid(warps: int) -> int:
 def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
-    a8e, a8s = c.kf_e == "fp8_block_a8", c.kf_s == "fp8_block_a8" and si > 0
-    a8 = a8e or a8s
+    a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
