@@ -63,6 +63,11 @@ class Routing:
 # ----------------------------------------------------------------------------- small helpers
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """Rounded to bfloat16 (a bf16 activation or logit), back in float64."""
+    return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
 def _f64(a: np.ndarray) -> np.ndarray:
     # bf16/fp16/fp32 -> float64 is exact, so the oracle sees the kernel's input values.
     return np.asarray(a).astype(np.float64)
@@ -86,7 +91,7 @@ def _weight(weights: Weights, name: str, shape: tuple[int, ...], expert: int | N
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm whose output is a bf16 activation, as the models' norms return their input dtype."""
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-    return y.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return _bf16(y)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -135,7 +140,7 @@ def _logits(spec: Spec, x: np.ndarray, weights: Weights, emulate: bool) -> np.nd
     if spec.router.bias:
         logits = logits + _weight(weights, "gate.bias", (_scored(spec),))
     if emulate and spec.router.logits_dtype == "bf16":
-        logits = logits.astype(ml_dtypes.bfloat16).astype(np.float64)
+        logits = _bf16(logits)
     return logits
 
 
@@ -349,10 +354,6 @@ def _static_fp8(x: np.ndarray, weights: Weights, name: str, shape: tuple[int, ..
     s = np.float32(_weight(weights, f"{name}_input_scale", shape, e))
     q = np.clip(x.astype(np.float32) / s, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
     return q.astype(np.float64) * np.float64(s)
-
-
-def _bf16(a: np.ndarray) -> np.ndarray:
-    return a.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def _gate_up(x: np.ndarray, weights: Weights, prefix: str, e: int | None, dims: tuple[int, ...], inter: int, h: int,
