@@ -163,9 +163,6 @@ class Spec(_Frozen):
 # ignores part of what it says. A field not listed here is generated for every value the schema
 # accepts.
 _GENERATED: dict[str, tuple[Any, ...]] = {
-    "experts.format": (WeightFormat.bf16, WeightFormat.fp8_block, WeightFormat.mxfp4, WeightFormat.nvfp4),
-    "experts.fp8_activations": (False,),
-    "shared_expert.format": (WeightFormat.bf16, WeightFormat.fp8_block, WeightFormat.mxfp4, WeightFormat.nvfp4),
     "router.format": (WeightFormat.bf16,),
     "parallel.ep_size": (1,),  # expert parallelism: compiled, not yet run across GPUs
 }

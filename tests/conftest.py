@@ -17,12 +17,6 @@ if os.environ.get("MOEGEN_TIER_SPECS"):  # e.g. "qwen3-30b-a3b,mixtral-8x7b": a 
 elif os.environ.get("MOEGEN_TIER_PART"):  # "i" of two halves, or "i/k": every k-th spec from the i-th
     _i, _, _k = os.environ["MOEGEN_TIER_PART"].partition("/")
     SPECS = SPECS[int(_i) - 1::int(_k or 2)]
-# Layers in modes that compile but await their GPU check (the spec refuses them): built without
-# that check by the GPU tier (the ones whose weights are quick to make) and by `moegen bench --pending`.
-PENDING = sorted((ROOT / "tests" / "data" / "pending").glob("*.yaml"))
-PENDING_TIER = [p for p in PENDING if p.stem.startswith("qwen3-30b-a3b")
-                and (p.stem in os.environ.get("MOEGEN_TIER_SPECS", "").split(",")
-                     if os.environ.get("MOEGEN_TIER_SPECS") else os.environ.get("MOEGEN_TIER_PART", "1")[0] == "1")]
 
 
 def pytest_collection_modifyitems(config, items):

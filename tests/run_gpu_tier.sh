@@ -4,7 +4,7 @@
 #   bash tests/run_gpu_tier.sh            everything (longer than one 10-minute device call: use the modes)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
 #   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
-#   bash tests/run_gpu_tier.sh checks     the feature (FP4, pending FP8 modes), expert-parallel and oracle tests
+#   bash tests/run_gpu_tier.sh checks     the feature (rules, FP4 and FP8 modes), expert-parallel and oracle tests
 #   bash tests/run_gpu_tier.sh sanitize   compute-sanitizer memcheck and racecheck of BF16 and quantized layers
 #   bash tests/run_gpu_tier.sh bench      moegen bench of the README's models, LongCat and GPT-OSS-120B
 #   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
@@ -83,8 +83,8 @@ if [ "$mode" = all ] || [ "$mode" = benchq ]; then
   done
   run bench-gpt-oss-120b-mxfp4 bench specs/gpt-oss-120b-mxfp4.yaml --tokens 1,64 --vs specs/gpt-oss-120b.yaml \
       --json "$out/bench-gpt-oss-120b-mxfp4.json"
-  for s in qwen3-30b-a3b-fp8-a8 qwen3-30b-a3b-fp8-tensor; do  # modes awaiting their GPU check
-    run "bench-$s" bench "tests/data/pending/$s.yaml" --pending --tokens 1,8,64 --stages --json "$out/bench-$s.json"
+  for s in qwen3-30b-a3b-fp8-a8 qwen3-30b-a3b-fp8-tensor; do  # the other FP8 modes
+    run "bench-$s" bench "specs/$s.yaml" --tokens 1,8,64 --stages --vs specs/qwen3-30b-a3b.yaml --json "$out/bench-$s.json"
   done
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ] || [ "$mode" = benchq ]; then

@@ -6,7 +6,6 @@ is still refused by the spec until it runs across GPUs."""
 from __future__ import annotations
 
 import pytest
-from conftest import PENDING as PENDING_SPECS
 
 from moegen.build import render_all
 from moegen.nvrtc import compile_cuda
@@ -53,7 +52,7 @@ CASES = {
 }
 # Generated and compiled, but refused by the spec until they have passed the GPU tier
 # (tests/test_gpu_features.py runs them too).
-PENDING = {
+CASES |= {
     # ModelOpt FP8 per-tensor (format d): e4m3 codes, a weight scale and a static input scale per matrix
     "fp8_tensor": {"experts": {"count": 32, "top_k": 4, "intermediate_size": 512, "format": "fp8_tensor"},
                    "shared_expert": {"intermediate_size": 384, "format": "fp8_tensor"}},
@@ -62,7 +61,6 @@ PENDING = {
                                     "fp8_activations": True},
                         "shared_expert": {"intermediate_size": 384, "format": "fp8_block"}},
 }
-ALL = {**CASES, **PENDING}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,26 +77,9 @@ def test_feature_is_accepted_by_the_spec(case):
     assert not_generated(spec) == []
 
 
-@pytest.mark.parametrize("case", sorted(PENDING))
-def test_pending_feature_is_refused_by_name(case):
-    with pytest.raises(SpecError, match="is not generated yet"):
-        parse_spec({**BASE, **PENDING[case]})
-
-
-@pytest.mark.parametrize("path", PENDING_SPECS, ids=lambda p: p.stem)
-def test_pending_spec_is_refused_and_compiles_clean(path):
-    """tests/data/pending: model layers in the pending modes, for the GPU tier and bench."""
-    with pytest.raises(SpecError, match="is not generated yet"):
-        load_spec(path)
-    spec = load_spec(path, check_generated=False)
-    res = compile_cuda(render_all(spec, make_plan(spec))["layer.cu"], spec.arch).resources
-    bad = {n: r for n, r in res.items() if r.spill_stores or r.spill_loads or r.stack_bytes}
-    assert not bad, f"{spec.name}: spills or stack: {bad}"
-
-
-@pytest.mark.parametrize("case", sorted(ALL))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_feature_compiles_clean(case):
-    spec = parse_spec({**BASE, **ALL[case]}, check_generated=False)
+    spec = parse_spec({**BASE, **CASES[case]}, check_generated=False)
     plan = make_plan(spec)
     src = render_all(spec, plan)["layer.cu"]
     res = compile_cuda(src, plan.arch, use_cache=False).resources
@@ -128,7 +109,7 @@ def test_feature_weights_are_asked_for():
     assert nv["experts.up_proj_scale"] == ((32, 512, 64), "float8_e4m3fn")  # [E, I, H/16]
     assert nv["experts.up_proj_scale_2"] == ((32,), "float32")  # one per expert matrix
     assert nv["shared_expert.down_proj_scale_2"] == ((), "float32")
-    f8 = tensors(make_plan(parse_spec({**BASE, **PENDING["fp8_tensor"]}, check_generated=False)))
+    f8 = tensors(make_plan(parse_spec({**BASE, **CASES["fp8_tensor"]})))
     assert f8["experts.gate_proj"] == ((32, 512, 1024), "float8_e4m3fn")
     assert f8["experts.gate_proj_scale"] == ((32,), "float32")  # one weight scale per expert matrix
     assert f8["experts.down_proj_input_scale"] == ((32,), "float32")  # and one static input scale

@@ -58,8 +58,10 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
 
 
 def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer_spec: dict | None = None,
-               counts: tuple[int, ...] = (64,)) -> None:
-    """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too."""
+               counts: tuple[int, ...] = (64,), watchdog: float = 240.0) -> None:
+    """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too. A
+    rank still running after `watchdog` seconds prints its stack and exits (a failure, not a hang)."""
+    import faulthandler
     import os
 
     import torch
@@ -68,9 +70,12 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer
 
     from moegen.parallel import torch_allreduce
 
+    faulthandler.dump_traceback_later(watchdog, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
+    stream = torch.cuda.Stream()  # the layer and its all-reduce on a created stream, as a serving loop runs them
+    torch.cuda.set_stream(stream)
     torch.manual_seed(0)  # the same weights and inputs on every rank
     base = layer_spec or LAYER
     full_plan = make_plan(parse_spec(base, check_generated=False))
@@ -106,6 +111,7 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer
             results[f"eager{n}"] = _host(eager).astype(np.float64)
             results[f"graph{n}"] = _host(out).astype(np.float64)
             results[f"want{n}"] = _host(want).astype(np.float64)
+    faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -114,9 +120,10 @@ DSV3_FP8 = {**yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" /
             "max_tokens": 1024}
 
 
-@pytest.mark.parametrize("layer_spec, counts, port", [(None, (64,), 29517), (DSV3_FP8, (1, 64, 1024), 29527)],
+@pytest.mark.parametrize("layer_spec, counts, port, watchdog",
+                         [(None, (64,), 29517, 90.0), (DSV3_FP8, (1, 64, 1024), 29527, 300.0)],
                          ids=["small", "deepseek-v3-fp8"])
-def test_ranks_on_several_gpus(layer_spec, counts, port, tmp_path):
+def test_ranks_on_several_gpus(layer_spec, counts, port, watchdog, tmp_path):
     import torch
     import torch.multiprocessing as mp
 
@@ -125,7 +132,7 @@ def test_ranks_on_several_gpus(layer_spec, counts, port, tmp_path):
         pytest.skip("one process per GPU needs at least 2 GPUs")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(world, str(tmp_path), port, results, layer_spec, counts), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, str(tmp_path), port, results, layer_spec, counts, watchdog), nprocs=world, join=True)
         for n in counts:
             for kind in ("eager", "graph"):
                 _check_rows(results[f"{kind}{n}"], results[f"want{n}"], f"{world} GPUs, N={n}, {kind}")

@@ -25,6 +25,7 @@ from moegen.hf import (
     moe_layers,
 )
 from moegen.spec import load_spec, not_generated, parse_spec
+from moegen import spec as spec_module
 from moegen.specyaml import to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,10 +278,18 @@ def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert issubclass(HFError, ValueError) and issubclass(CheckpointError, ValueError)
 
 
-def test_cli_notes_what_the_generator_does_not_produce(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    assert main(["spec", "import-hf", str(write_config(tmp_path, V3)), "--model", "deepseek-ai/DeepSeek-V3",
-                 "-o", str(tmp_path / "v3.yaml")]) == 0
+def test_cli_notes_what_the_generator_does_not_produce(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch):
+    v3 = ["spec", "import-hf", str(write_config(tmp_path, V3)), "--model", "deepseek-ai/DeepSeek-V3",
+          "-o", str(tmp_path / "v3.yaml")]
+    assert main(v3) == 0
+    assert "note:" not in capsys.readouterr().err  # FP8 block with FP8 activations is generated
+    # a field the generator would not produce is written to the spec and noted, not dropped
+    monkeypatch.setitem(spec_module._GENERATED, "experts.fp8_activations", (False,))
+    assert main(v3) == 0
     assert "note: the generator does not produce this yet: experts.fp8_activations=True" in capsys.readouterr().err
+    assert "fp8_activations: true" in (tmp_path / "v3.yaml").read_text()
+    monkeypatch.undo()
     assert main(["spec", "import-hf", str(write_config(tmp_path, GPT_OSS)), "--model", "openai/gpt-oss-20b",
                  "-o", str(tmp_path / "oss.yaml")]) == 0
     assert "note:" not in capsys.readouterr().err  # MXFP4 is generated

@@ -179,10 +179,6 @@ def test_impossible_values_are_refused_by_field(tmp_path: Path, edit: str, field
 @pytest.mark.parametrize(
     "section,values,message",
     [
-        ("experts", {"format": "fp8_tensor"}, "experts.format=fp8_tensor is not generated yet"),
-        ("experts", {"format": "fp8_block", "fp8_activations": True}, "experts.fp8_activations=True is not generated yet"),
-        ("shared_expert", {"intermediate_size": 32, "format": "fp8_tensor"},
-         "shared_expert.format=fp8_tensor is not generated yet"),
         ("router", {"format": "fp8_tensor"}, "router.format=fp8_tensor is not generated yet"),
         ("parallel", {"ep_size": 2, "ep_rank": 1}, "parallel.ep_size=2 is not generated yet"),
     ],

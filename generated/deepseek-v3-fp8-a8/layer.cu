@@ -1,0 +1,1233 @@
+// moegen 0.1.0: deepseek-v3-fp8-a8 (deepseek-ai/DeepSeek-V3), sm_90a. Generated; do not edit.
+// spec sha256 0839e738f5e401f64511341c02410f4b282edf6b4a38433985ce49863915a20d
+//
+// E=256 routed experts, top-8, H=7168, I=2048, shared expert I=2048.
+// Routing: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5.
+// Weights: bf16 packed into m16n8k16 fragment order; per expert 88080384 bytes.
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// in the launcher and manifest.
+// ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
+// No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define MOE_DEVICE __device__ __forceinline__
+#define MOE_NEG_INF (-__int_as_float(0x7f800000))
+
+MOE_DEVICE float bf16_to_f32(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+MOE_DEVICE bf16_t f32_to_bf16(float f) {
+  bf16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+MOE_DEVICE u32 pack_bf16x2(float lo, float hi) {
+  return ((u32)f32_to_bf16(hi) << 16) | (u32)f32_to_bf16(lo);
+}
+// Programmatic dependent launch: wait for the previous kernel's results, then let the next
+// kernel's blocks start early. Both are no-ops when the launch does not ask for it.
+MOE_DEVICE void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+MOE_DEVICE void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, fp32 accumulate.
+MOE_DEVICE void mma_bf16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, "
+      "{ %0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// Unsigned key ordered as the floats are (for warp-wide max with redux.sync).
+MOE_DEVICE u32 order_key(float f) {
+  const u32 b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+// Inverse of order_key.
+MOE_DEVICE float key_value(u32 k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+#define MOE_SCORE_SOFTMAX 0
+#define MOE_SCORE_SIGMOID 1
+#define MOE_SCORE_SQRT_SOFTPLUS 2
+#define MOE_SCORE_SPARSEMIXER 3
+#define MOE_ACT_SILU 0
+#define MOE_ACT_GELU 1
+#define MOE_ACT_SWIGLU_CLAMPED 2
+MOE_DEVICE float softplus(float v) { return fmaxf(v, 0.0f) + log1pf(expf(-fabsf(v))); }
+MOE_DEVICE float silu(float g) { return g / (1.0f + expf(-g)); }
+MOE_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+MOE_DEVICE float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+MOE_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// 4 bytes through L1 (an FP8 block scale; neighbouring chunks share it).
+MOE_DEVICE void cp_async4(void* smem, const void* gmem) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+}
+// Scales from shared memory by explicit ld.shared (plain loads here made ptxas spill in the FP8
+// and MXFP4 down kernels).
+MOE_DEVICE float lds_f32(u32 addr) {
+  float f;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(addr));
+  return f;
+}
+MOE_DEVICE u32 lds_u8(u32 addr) {
+  u32 b;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(b) : "r"(addr));
+  return b;
+}
+// Ask L2 for `bytes` (a multiple of 16) from p (16-byte aligned), without waiting for them.
+MOE_DEVICE void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+// 4 bytes through L1, or zeros (valid false: nothing is read).
+MOE_DEVICE void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
+MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// One 16-row tile of MATS packed weight matrices times up to 8*NT token vectors.
+//
+// Packed layout (moegen.weights.pack_tiles): [tile][K/32 chunk][MATS][2 k-steps][32 lanes][8 bf16].
+// Each lane's 16 bytes are its whole m16n8k16 A fragment, so a warp reads 512 contiguous bytes
+// per fragment. K is permuted inside each 32-wide chunk so that the B fragment of a token is 16
+// contiguous bytes of its activation row as stored (K is summed over, so the same permutation
+// on both operands leaves the product unchanged).
+//
+// Warps split K (chunks warp, warp+WARPS, ...). Each lane copies its own 16-byte fragments
+// into a DEPTH-deep shared-memory ring with cp.async and reads back only what it copied, so
+// DEPTH-1 chunks per warp stay in flight without any block barrier. The scales of a quantized
+// chunk travel in the same ring, DEPTH-1 chunks ahead like the codes (a load at use would put
+// one memory latency on every chunk): a few lanes copy them, and the warp reads them after a
+// __syncwarp (and another before the slot is refilled). Each warp's partial sums go to
+// shared memory and are added in warp order: the result depends neither on timing nor on the
+// other tokens.
+// Weight formats of the packed tiles: bf16 (2 fragments of 16 bytes per lane and chunk) or FP8
+// e4m3 with one fp32 scale per 128x128 block (1 fragment: both k-steps' 16 codes).
+// MXFP4 (OCP MX: e2m1 codes, one E8M0 scale per row and 32-wide K block): 8 bytes per lane,
+// matrix and chunk, so one 16-byte fragment carries a pair of matrices.
+// NVFP4 (ModelOpt): e2m1 codes in the same layout, one e4m3 scale per row and 16 along K, times
+// the matrix's fp32 scale_2.
+#define MOE_W_BF16 0
+#define MOE_W_FP8_BLOCK 1
+#define MOE_W_MXFP4 2
+#define MOE_W_NVFP4 3
+// FP8 per-tensor (ModelOpt FP8): e4m3 codes as FP8 block's, one fp32 weight scale per matrix and a
+// static input scale: the activations are quantized, e4m3(x / input_scale) saturating, and the
+// products of codes summed in fp32 are multiplied by input_scale * weight_scale.
+#define MOE_W_FP8_TENSOR 4
+// FP8 block weights times FP8 activations (DeepSeek's recipe, MODELS.md format a): the B rows are
+// e4m3 codes (as bf16) of activations quantized per token and 128 channels, with their fp32
+// scales [row][K/128]; each chunk's code sums get the weight block scale times the token's scale.
+#define MOE_W_FP8_BLOCK_A8 5
+
+// Eight e2m1 codes (nibble i = element i of an A fragment's k-step, low nibble first) as the four
+// bf16x2 registers of that fragment, exactly: every e2m1 value is a bf16 value. Byte tables
+// through prmt: the high and the low byte of the bf16 of each magnitude code 0-7 (0, .5, 1, 1.5,
+// 2, 3, 4, 6), then the sign bit of each nibble into bit 15 of its half.
+MOE_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+MOE_DEVICE uint4 e2m1x8_to_bf16x8(u32 w) {
+  constexpr u32 HI0 = 0x3F3F3F00u, HI1 = 0x40404040u, LO0 = 0xC0800000u, LO1 = 0xC0804000u;
+  const u32 sel0 = w & 0x7777u, sel1 = (w >> 16) & 0x7777u;  // magnitudes of elements 0-3, 4-7
+  const u32 hb0 = prmt(HI0, HI1, sel0), lb0 = prmt(LO0, LO1, sel0);
+  const u32 hb1 = prmt(HI0, HI1, sel1), lb1 = prmt(LO0, LO1, sel1);
+  const u32 w4 = w << 4;  // byte k's top bit: the sign of nibble 2k (w4) and of nibble 2k+1 (w)
+  uint4 r;
+  r.x = prmt(lb0, hb0, 0x5140u) | (prmt(w4, w, 0xCC88u) & 0x80008000u);
+  r.y = prmt(lb0, hb0, 0x7362u) | (prmt(w4, w, 0xDD99u) & 0x80008000u);
+  r.z = prmt(lb1, hb1, 0x5140u) | (prmt(w4, w, 0xEEAAu) & 0x80008000u);
+  r.w = prmt(lb1, hb1, 0x7362u) | (prmt(w4, w, 0xFFBBu) & 0x80008000u);
+  return r;
+}
+MOE_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// One e4m3 code (the low byte) as fp32, exactly.
+MOE_DEVICE float e4m3_to_f32(u32 b) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(b & 0xffu)));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h & 0xffffu)));
+  return f;
+}
+// E8M0 scale byte: 2^(b - 127); 0 is 2^-127 (an fp32 subnormal), 255 is NaN.
+MOE_DEVICE float e8m0_to_f32(u32 b) {
+  return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
+}
+
+// Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
+// bf16 value. cvt.rn.f16x2.e4m3x2 puts the low byte's value in the low half.
+MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(two & 0xffffu)));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
+  return pack_bf16x2(lo, hi);
+}
+
+// Two bf16 activations (low half first) quantized by a static scale, as two bf16 holding their
+// e4m3 values exactly: e4m3(x / s) with round-to-nearest-even, saturating at +-448.
+MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) {
+  const float lo = __fdiv_rn(bf16_to_f32((bf16_t)(two & 0xffffu)), s);
+  const float hi = __fdiv_rn(bf16_to_f32((bf16_t)(two >> 16)), s);
+  unsigned short q;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // hi -> upper byte
+  return e4m3x2_to_bf16x2(q);
+}
+
+// The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
+// bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of
+// the tile's matrices (16 bytes): nv_scale2 points at them.
+MOE_DEVICE const float* mx_scales(const float* base, size_t tile, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(base) + tile * kc * mats * 16);
+}
+MOE_DEVICE const float* nv_scales(const float* base, size_t tile, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(base) + tile * (kc * mats * 32 + 16));
+}
+MOE_DEVICE const float* nv_scale2(const float* tile_scales, int kc, int mats) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(tile_scales) + kc * mats * 32);
+}
+
+template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
+struct TileGemv {
+  static constexpr bool FP8B = FMT == MOE_W_FP8_BLOCK || FMT == MOE_W_FP8_BLOCK_A8;  // block-scaled e4m3 weights
+  static constexpr bool A8 = FMT == MOE_W_FP8_BLOCK_A8;
+  static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk (FP8, BF16)
+  // 16-byte A fragments per lane and chunk, all matrices: MXFP4 packs two matrices in one.
+  static constexpr bool FP4 = FMT == MOE_W_MXFP4 || FMT == MOE_W_NVFP4;
+  static constexpr int AU = FP4 ? MATS / 2 : MATS * AF;
+  static_assert(!FP4 || MATS % 2 == 0, "FP4 tiles pair their matrices");
+  static constexpr int XSU = A8 ? (NT + 1) / 2 : 0;  // A8: 16-byte units of this lane's token scales (2 per group)
+  static constexpr int FRAGS = AU + NT + XSU;  // 16-byte fragments per lane per chunk
+  // 16-byte units of scales per chunk (the warp's, not a lane's): MXFP4 MATS x 16 E8M0 bytes,
+  // NVFP4 MATS x 2 x 16 e4m3 bytes, FP8 one fp32 per matrix.
+  static constexpr int SCU = FMT == MOE_W_MXFP4 ? MATS : FMT == MOE_W_NVFP4 ? 2 * MATS
+                             : FP8B ? (MATS * 4 + 15) / 16 : 0;
+  static_assert(SCU <= 32 && (!FP8B || MATS <= 32), "a chunk's scales: one copy per lane at most");
+  static constexpr int RING_U4 = WARPS * DEPTH * (FRAGS * 32 + SCU);
+  static constexpr int RED_FLOATS = WARPS * NT * MATS * 128;
+  static constexpr int SMEM_BYTES = (RING_U4 * 16 > RED_FLOATS * 4) ? RING_U4 * 16 : RED_FLOATS * 4;
+
+  // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
+  // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
+  // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
+  // FP8 per-tensor: scale[mt * scale_stride] and [.. + 1] are matrix mt's weight and input scales.
+  // MXFP4: scale (bytes) [KC][MATS][16] holds this tile's E8M0 row scales, one per chunk.
+  // NVFP4: scale (bytes) [KC][MATS][2 blocks of 16 along K][16] its e4m3 row scales; scale2[mt]
+  // each matrix's scale_2.
+  // smem: SMEM_BYTES, 16-byte aligned; on return it holds the per-warp partial sums.
+  static MOE_DEVICE void run(const uint4* __restrict__ a, const bf16_t* __restrict__ x, int x_stride,
+                             const int* __restrict__ tok, int n0, int m, uint4* smem,
+                             const float* __restrict__ scale = nullptr, int scale_stride = 0,
+                             const float* __restrict__ scale2 = nullptr, const float* __restrict__ xscale = nullptr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bf16_t* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int n = n0 + j * 8 + g;
+      xr[j] = (n < m) ? x + (size_t)(tok ? tok[n] : n) * x_stride + t * 8 : x;
+    }
+    bool live[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) live[j] = n0 + j * 8 + g < m;
+    float acc[NT][MATS][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][mt][i] = 0.0f;
+
+    int xrow[NT][2];  // A8: the activation rows of the lane's output columns, and whether they exist
+    bool xlive[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int n = n0 + j * 8 + 2 * t + b;
+        xlive[j][b] = A8 && n < m;
+        xrow[j][b] = xlive[j][b] ? (tok ? tok[n] : n) : 0;
+      }
+    float s_in[MATS], s_out[MATS];  // FP8 per-tensor: each matrix's input scale, and the sums' scale
+    if (FMT == MOE_W_FP8_TENSOR) {
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt) {
+        s_in[mt] = __ldg(scale + mt * scale_stride + 1);
+        s_out[mt] = s_in[mt] * __ldg(scale + mt * scale_stride);
+      }
+    }
+    uint4* ring = smem + warp * DEPTH * FRAGS * 32 + lane;
+    uint4* sring = smem + WARPS * DEPTH * FRAGS * 32 + warp * DEPTH * SCU;  // the warp's scales
+    const int mine = (KC - warp + WARPS - 1) / WARPS;  // chunks warp, warp + WARPS, ...
+    auto issue = [&](int i) {
+      if (i < mine) {
+        const int c = warp + i * WARPS;
+        uint4* st = ring + (i % DEPTH) * FRAGS * 32;
+#pragma unroll
+        for (int f = 0; f < AU; ++f) cp_async16(st + f * 32, a + ((size_t)c * AU + f) * 32 + lane, true);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
+        uint4* ss = sring + (i % DEPTH) * SCU;
+        if (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
+          float* xs = reinterpret_cast<float*>(st + (AU + NT) * 32);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              cp_async4_zfill(xs + ((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4,
+                              xscale + (size_t)xrow[j][b] * (KC / 4) + c / 4, xlive[j][b]);
+        }
+        if (FP8B) {  // matrix mt's 128-wide K block of chunk c
+          if (lane < MATS) cp_async4(reinterpret_cast<float*>(ss) + lane, scale + lane * scale_stride + c / 4);
+        } else if (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
+          if (lane < SCU) cp_async16(ss + lane, reinterpret_cast<const uint4*>(scale) + (size_t)c * SCU + lane, true);
+        }
+      }
+      cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; ++i) issue(i);
+    for (int i = 0; i < mine; ++i) {
+      if (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
+      issue(i + DEPTH - 1);
+      cp_async_wait<DEPTH - 1>();
+      if (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
+      const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
+      const u32 sb = (u32)__cvta_generic_to_shared(sring + (i % DEPTH) * SCU);  // this chunk's scales
+      uint4 av[AU], bv[NT];
+#pragma unroll
+      for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) bv[j] = st[(AU + j) * 32];
+      if (FMT == MOE_W_BF16) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int mt = 0; mt < MATS; ++mt) {
+            mma_bf16(acc[j][mt], av[mt * AF], bv[j].x, bv[j].y);
+            mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
+          }
+      } else if (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt / 2];  // matrix 2p: k-steps in x, y; matrix 2p+1: in z, w
+          const uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
+          const float s_lo = e8m0_to_f32(lds_u8(sb + mt * 16 + g)), s_hi = e8m0_to_f32(lds_u8(sb + mt * 16 + g + 8));
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, bv[j].x, bv[j].y);
+            mma_bf16(tmp, k1, bv[j].z, bv[j].w);
+            acc[j][mt][0] = fmaf(s_lo, tmp[0], acc[j][mt][0]);  // rows g (0, 1) and g + 8 (2, 3)
+            acc[j][mt][1] = fmaf(s_lo, tmp[1], acc[j][mt][1]);
+            acc[j][mt][2] = fmaf(s_hi, tmp[2], acc[j][mt][2]);
+            acc[j][mt][3] = fmaf(s_hi, tmp[3], acc[j][mt][3]);
+          }
+        }
+      } else if (FMT == MOE_W_NVFP4) {
+        // A lane's four columns of a k-step lie in one 16-wide block (block 2c + t/2, K permuted as
+        // the module comment says), so each code is scaled by its row's e4m3 scale before the
+        // tensor cores, in bf16, exactly: e2m1 x e4m3 has at most 6 significant bits. scale_2
+        // multiplies the finished sums.
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt / 2];
+          uint4 k0 = e2m1x8_to_bf16x8(mt & 1 ? q.z : q.x), k1 = e2m1x8_to_bf16x8(mt & 1 ? q.w : q.y);
+          const float f_lo = e4m3_to_f32(lds_u8(sb + mt * 32 + (t >> 1) * 16 + g));
+          const float f_hi = e4m3_to_f32(lds_u8(sb + mt * 32 + (t >> 1) * 16 + g + 8));
+          const u32 s_lo = pack_bf16x2(f_lo, f_lo), s_hi = pack_bf16x2(f_hi, f_hi);
+          k0 = make_uint4(mul_bf16x2(k0.x, s_lo), mul_bf16x2(k0.y, s_hi), mul_bf16x2(k0.z, s_lo), mul_bf16x2(k0.w, s_hi));
+          k1 = make_uint4(mul_bf16x2(k1.x, s_lo), mul_bf16x2(k1.y, s_hi), mul_bf16x2(k1.z, s_lo), mul_bf16x2(k1.w, s_hi));
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mma_bf16(acc[j][mt], k0, bv[j].x, bv[j].y);
+            mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
+          }
+        }
+      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times quantized activations, exactly, summed in fp32
+        uint4 bq[NT];
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt];
+          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
+                                      e4m3x2_to_bf16x2(q.y >> 16));
+          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
+                                      e4m3x2_to_bf16x2(q.w >> 16));
+          if (mt == 0 || scale_stride != 0) {  // matrices of one source share their input scale
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              bq[j] = make_uint4(quant_e4m3x2(bv[j].x, s_in[mt]), quant_e4m3x2(bv[j].y, s_in[mt]),
+                                 quant_e4m3x2(bv[j].z, s_in[mt]), quant_e4m3x2(bv[j].w, s_in[mt]));
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mma_bf16(acc[j][mt], k0, bq[j].x, bq[j].y);
+            mma_bf16(acc[j][mt], k1, bq[j].z, bq[j].w);
+          }
+        }
+      } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
+        float xsc[NT][2];  // A8: the output columns' activation scales for this chunk
+        if (A8) {
+          const float* xs = reinterpret_cast<const float*>(st + (AU + NT) * 32);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) xsc[j][b] = xs[((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MATS; ++mt) {
+          const uint4 q = av[mt];
+          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
+                                      e4m3x2_to_bf16x2(q.y >> 16));
+          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
+                                      e4m3x2_to_bf16x2(q.w >> 16));
+          const float sc = lds_f32(sb + 4 * mt);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, bv[j].x, bv[j].y);
+            mma_bf16(tmp, k1, bv[j].z, bv[j].w);
+            if (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc * xsc[j][r & 1], tmp[r], acc[j][mt][r]);
+            } else {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc, tmp[r], acc[j][mt][r]);
+            }
+          }
+        }
+      }
+    }
+    if (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s_out[mt];
+    }
+    if (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt) {
+        const float s2 = __ldg(scale2 + mt);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s2;
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the partial sums reuse the ring
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MATS; ++mt)
+        *reinterpret_cast<float4*>(red + ((warp * NT + j) * MATS + mt) * 128 + lane * 4) =
+            make_float4(acc[j][mt][0], acc[j][mt][1], acc[j][mt][2], acc[j][mt][3]);
+    __syncthreads();
+  }
+
+  // Result for tile row r (0..15) and token column col (0..7) of token group j, summed over
+  // warps in a fixed order.
+  static MOE_DEVICE float result(const uint4* smem, int j, int mt, int r, int col) {
+    const float* red = reinterpret_cast<const float*>(smem);
+    const int e = (((r & 7) * 4 + (col >> 1)) * 4) + (r >> 3) * 2 + (col & 1);
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += red[((w * NT + j) * MATS + mt) * 128 + e];
+    return s;
+  }
+};
+
+// ---- the routing rule of this layer ----
+struct RouteRule {
+  static constexpr int SCORE = MOE_SCORE_SIGMOID;
+  static constexpr int E_REAL = 256;
+  static constexpr int ZERO = 0;
+  static constexpr bool WEIGHT_ON_INPUT = false;
+  static constexpr bool HASH = false;
+  static constexpr int VOCAB = 0;
+  static constexpr bool EP = false;
+  static constexpr int EP_LO = 0;
+  static constexpr int EP_N = 256;
+  static constexpr bool EP_RANK0 = true;
+  static constexpr float SPARSEMIXER_EPS = 0.01f;
+  static constexpr bool SELECT_LOGITS = false;
+  static constexpr bool CORR_BIAS = true;
+  static constexpr bool ROUTER_BIAS = false;
+  static constexpr int NGROUP = 8;
+  static constexpr int TOPK_GROUP = 4;
+  static constexpr bool RENORM = true;
+  static constexpr float SCALE = 2.5f;
+  static constexpr bool LOGITS_BF16 = false;
+};
+
+// ---- the RMSNorm epsilons of this layer (used only where it has the norms) ----
+struct NormRule {
+  static constexpr float ROUTER_EPS = 1e-06f;
+  static constexpr float EXPERT_EPS = 1e-06f;
+};
+
+// ---- the expert activation of this layer ----
+struct ActRule {
+  static constexpr int KIND = MOE_ACT_SILU;
+  static constexpr float LIMIT = 0.0f;
+  static constexpr float ALPHA = 1.0f;
+  static constexpr bool SHARED_LIMIT = false;
+  static constexpr bool EXPERT_BIAS = false;
+};
+// The gated activation; CLAMP applies the layer's limit (gate from above, up both ways).
+template <bool CLAMP>
+MOE_DEVICE float activate(float g, float u) {
+  if (CLAMP && ActRule::LIMIT > 0.0f) {
+    g = fminf(g, ActRule::LIMIT);
+    u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
+  }
+  if (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
+  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
+  return silu(g) * u;
+}
+
+// ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
+// Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are numbered in
+// ascending expert order (slots) and each (token, choice) pair gets a row in its expert's
+// contiguous segment. The order of tokens inside a segment is whatever the counters give, which
+// changes no result: each token's row is computed independently.
+// One block does it all (the last block of the router), or (MULTI, the route kernel) every block
+// routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
+// finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
+// R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
+          bool MULTI = false>
+MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
+                           const float* __restrict__ router_bias, int* __restrict__ topk_ids,
+                           float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                           float* __restrict__ gate_s, int* __restrict__ num_slots,
+                           int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                           int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr,
+                           int* gcnt = nullptr, int* done = nullptr) {
+  // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
+  constexpr int ES = E + R::ZERO;
+  constexpr int EPL = (ES + 31) / 32;
+  __shared__ int cnt[E];
+  __shared__ int cursor[E];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
+  __syncthreads();
+  const int first = MULTI ? blockIdx.x * (THREADS / 32) + warp : warp;
+  const int step = MULTI ? gridDim.x * (THREADS / 32) : THREADS / 32;
+  for (int tk = first; tk < n; tk += step) {
+    // v: logits, then scores (what the weights come from); sel: what top-k ranks.
+    float v[EPL], sel[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      float s = MOE_NEG_INF;
+      if (e < ES) {
+        s = 0.0f;
+#pragma unroll
+        for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
+        if (R::ROUTER_BIAS) s += router_bias[e];
+        if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+      }
+      v[i] = s;
+    }
+    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+      float mx = MOE_NEG_INF;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+      mx = warp_max(mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        v[i] = (lane + 32 * i < ES) ? expf(v[i] - mx) : 0.0f;
+        sum += v[i];
+      }
+      sum = warp_sum(sum);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
+    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
+    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      sel[i] = e < ES ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+    }
+    if (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
+      constexpr int G = ES / R::NGROUP;
+      float gs[R::NGROUP];
+#pragma unroll
+      for (int gr = 0; gr < R::NGROUP; ++gr) {
+        float b1 = MOE_NEG_INF;
+        int i1 = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if ((lane + 32 * i) / G == gr && sel[i] > b1) { b1 = sel[i]; i1 = lane + 32 * i; }
+        const u32 k1 = __reduce_max_sync(0xffffffffu, order_key(b1));
+        i1 = (int)__reduce_min_sync(0xffffffffu, order_key(b1) == k1 ? (u32)i1 : 0x7fffffffu);
+        float b2 = MOE_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if ((lane + 32 * i) / G == gr && lane + 32 * i != i1 && sel[i] > b2) b2 = sel[i];
+        const u32 k2 = __reduce_max_sync(0xffffffffu, order_key(b2));
+        gs[gr] = key_value(k1) + key_value(k2);
+      }
+      bool keep[R::NGROUP];
+#pragma unroll
+      for (int gr = 0; gr < R::NGROUP; ++gr) keep[gr] = false;
+#pragma unroll
+      for (int r = 0; r < R::TOPK_GROUP; ++r) {  // equal group scores: the lower group wins
+        int best = -1;
+        float best_v = MOE_NEG_INF;
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if (!keep[gr] && (best < 0 || gs[gr] > best_v)) { best = gr; best_v = gs[gr]; }
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if (gr == best) keep[gr] = true;
+      }
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        bool k = false;
+#pragma unroll
+        for (int gr = 0; gr < R::NGROUP; ++gr)
+          if ((lane + 32 * i) / G == gr) k = keep[gr];
+        if (!k) sel[i] = MOE_NEG_INF;
+      }
+    }
+    // k rounds of arg-max: warp-wide max of an order-preserving integer key, then the lowest
+    // expert index holding it (equal values: the lower expert index wins). my_v: the score (or
+    // logit) of this lane's choice, not its biased selection value.
+    float my_v = 0.0f;
+    int my_e = 0;
+    if (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
+      // ids outside [0, VOCAB) read the nearest row (clamped): never a read past the table
+      if (lane < K) my_e = tid2eid[(size_t)min(max(token_ids[tk], 0), R::VOCAB - 1) * K + lane];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        const float cand = __shfl_sync(0xffffffffu, v[i], my_e & 31);
+        if (i == (my_e >> 5)) my_v = cand;
+      }
+    }
+    for (int j = 0; j < (R::HASH ? 0 : K); ++j) {
+      float bv = MOE_NEG_INF, bs = 0.0f;
+      int be = 0x7fffffff;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (sel[i] > bv) { bv = sel[i]; bs = v[i]; be = lane + 32 * i; }
+      const u32 key = order_key(bv);
+      const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+      be = (int)__reduce_min_sync(0xffffffffu, key == kmax ? (u32)be : 0x7fffffffu);
+      bs = __shfl_sync(0xffffffffu, bs, be & 31);
+      if (lane == j) { my_v = bs; my_e = be; }
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane + 32 * i == be) sel[i] = MOE_NEG_INF;
+    }
+    float w = my_v;
+    if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+      const float top = __shfl_sync(0xffffffffu, my_v, 0);
+      w = lane < K ? expf(my_v - top) : 0.0f;
+      w = w / warp_sum(w);
+    } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+      w = 1.0f / (1.0f + expf(-my_v));
+    } else if (R::SCORE == MOE_SCORE_SPARSEMIXER) {
+      // Phi-3.5: round j's pick is the largest remaining logit; the softmax runs over the remaining
+      // logits l with (top - l) / max(|l|, top) <= 2 eps, so the pick's weight is 1 / sum.
+      for (int j = 0; j < K; ++j) {
+        const float top = __shfl_sync(0xffffffffu, my_v, j);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          const int e = lane + 32 * i;
+          bool gone = e >= ES;
+          for (int jj = 0; jj < j; ++jj) gone |= e == __shfl_sync(0xffffffffu, my_e, jj);
+          const bool drop = (top - v[i]) / fmaxf(fabsf(v[i]), top) > 2.0f * R::SPARSEMIXER_EPS;
+          sum += (gone || drop) ? 0.0f : expf(v[i] - top);
+        }
+        sum = warp_sum(sum);
+        if (lane == j) w = 1.0f / sum;
+      }
+    }
+    if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    w *= R::SCALE;
+    if (lane < K) {
+      topk_ids[tk * K + lane] = my_e;
+      topk_w[tk * K + lane] = w;
+      // Only this rank's experts (expert parallelism) and no identity expert get a slot.
+      if ((R::ZERO == 0 || my_e < E) && (!R::EP || (my_e >= R::EP_LO && my_e < R::EP_LO + R::EP_N)))
+        atomicAdd(&cnt[my_e], 1);
+    }
+    if (SHARED_GATE && lane == 0) {
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + ES);
+      gate_s[tk] = 1.0f / (1.0f + expf(-s));
+    }
+  }
+  __syncthreads();
+  if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
+    __shared__ int is_last;
+    for (int e = threadIdx.x; e < E; e += THREADS)
+      if (cnt[e]) atomicAdd(gcnt + e, cnt[e]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      is_last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+      if (is_last) *done = 0;  // every block has counted: ready for the next call
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < E; e += THREADS) {
+      cnt[e] = __ldcg(gcnt + e);
+      gcnt[e] = 0;  // cleared for the next call
+    }
+    __syncthreads();
+  }
+  {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix
+    // sum over the experts, THREADS at a time
+    __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
+    int carry_c = 0, carry_f = 0;
+    for (int base = 0; base < E; base += THREADS) {
+      const int e = base + threadIdx.x;
+      const int c = e < E ? cnt[e] : 0, f = c > 0;
+      int ci = c, fi = f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
+        if (lane >= o) { ci += co; fi += fo; }
+      }
+      if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
+      __syncthreads();
+      if (warp == 0) {
+        int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
+          if (lane >= o) { wc += co; wf += fo; }
+        }
+        if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
+      }
+      __syncthreads();
+      if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
+      ci += carry_c;
+      fi += carry_f;
+      if (f) {
+        slot_expert[fi - 1] = e - R::EP_LO;  // the expert's index among this rank's weights
+        slot_begin[fi - 1] = ci - c;
+        cursor[e] = ci - c;
+      }
+      carry_c += warp_c[THREADS / 32 - 1];
+      carry_f += warp_f[THREADS / 32 - 1];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      *num_slots = carry_f;
+      slot_begin[carry_f] = carry_c;
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n * K; p += THREADS) {
+    const int e = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
+    if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
+      pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
+      continue;
+    }
+    const int pos = atomicAdd(&cursor[e], 1);
+    pair_pos[p] = pos;
+    slot_token[pos] = p / K;
+    if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+  }
+}
+
+
+// The route as its own kernel (token buckets too large for the fused form): one token per warp,
+// as many blocks as the bucket needs; the last block groups the tokens by expert.
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS>
+MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
+                                  const float* __restrict__ corr_bias,
+                                  const float* __restrict__ router_bias, int* __restrict__ topk_ids,
+                                  float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                                  float* __restrict__ gate_s, int* __restrict__ num_slots,
+                                  int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                                  int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                           const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
+  grid_dep_wait();
+  grid_dep_launch();
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
+      logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
+      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
+}
+
+// ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
+// Every block streams one 16-row weight tile once and applies it to all tokens that need it.
+
+// Router logits (and the shared-expert gate logit as row E): rows of the packed router matrix
+// times every token. K is split over KSPLIT blocks per tile, whose partial sums are added in a
+// fixed order (no floating-point atomics). With ROUTE, the last block to finish (an integer
+// counter) routes the tokens itself, adding the partials as it reads them: one launch fewer on
+// the small-batch path. Without it, the last block of each tile adds the tile's partials into
+// partial 0, so that the route kernel (one block) reads one partial per logit, not KSPLIT.
+// route_done: [0] the route's counter, [1 + tile] the tiles' counters.
+template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX, bool ROUTE, int E, int K,
+          bool SHARED_GATE>
+MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
+                                   float* logits, int* route_done, const float* __restrict__ corr_bias,
+                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
+                                   float* __restrict__ topk_w, int* __restrict__ pair_pos,
+                                   float* __restrict__ gate_s, int* __restrict__ num_slots,
+                                   int* __restrict__ slot_expert, int* __restrict__ slot_begin,
+                                   int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
+                                   const int* __restrict__ token_ids = nullptr,
+                                   const int* __restrict__ tid2eid = nullptr) {
+  constexpr int KC_PART = KC / KSPLIT;
+  using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
+  __shared__ uint4 red[G::SMEM_BYTES / 16];
+  const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
+  const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
+  const bf16_t* xs = x + part * KC_PART * 32;
+  grid_dep_wait();
+  grid_dep_launch();
+  for (int n0 = 0; n0 < n; n0 += 8 * NT) {
+    G::run(a, xs, KC * 32, nullptr, n0, n, red);
+    for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
+      const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+      if (tk < n) logits[((size_t)part * NMAX + tk) * ROWS_PAD + tile * 16 + r] = G::result(red, j, 0, r, col);
+    }
+    __syncthreads();
+  }
+  if (ROUTE) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      is_last = atomicAdd(route_done, 1) == (int)gridDim.x - 1;
+      if (is_last) *route_done = 0;  // all blocks have counted: ready for the next call
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
+        logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
+        slot_token, n, slot_w, token_ids, tid2eid);
+  } else if (KSPLIT > 1) {
+    __shared__ int tile_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      tile_last = atomicAdd(route_done + 1 + tile, 1) == KSPLIT - 1;
+      if (tile_last) route_done[1 + tile] = 0;  // every part of this tile has counted
+    }
+    __syncthreads();
+    if (!tile_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {  // 0 + p0 + p1 + ...: the route's order
+      float* p0 = logits + (size_t)(i >> 4) * ROWS_PAD + tile * 16 + (i & 15);
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(p0 + (size_t)p * NMAX * ROWS_PAD);
+      *p0 = s;
+    }
+  }
+}
+
+// Gate/up projections of one 16-column tile of one expert's FFN, then the activation:
+// act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
+// Blocks past the routed slots compute the shared expert over all tokens.
+// FP8: s13 holds the gate then the up scales [2][E][I/128][H/128] (ss13: [2][IS/128][H/128]).
+// FP8 per-tensor: s13 [E][gate, up][weight scale, input scale] (ss13 likewise, without E).
+// MXFP4: s13 holds E8M0 bytes [E][tile][chunk][gate, up][16 rows] (ss13 likewise, without E).
+// NVFP4: s13 holds per tile e4m3 bytes [chunk][gate, up][2 blocks of 16][16 rows], then the two scale_2.
+template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
+MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
+                             const float* __restrict__ s13, const float* __restrict__ ss13,
+                             const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
+                             const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
+                             const int* __restrict__ slot_token, bf16_t* __restrict__ act,
+                             bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w = nullptr,
+                             const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr,
+                             const bf16_t* __restrict__ xq = nullptr, const float* __restrict__ sx = nullptr) {
+  using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
+  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH, FMTS>;
+  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  __shared__ uint4 red[SMEM / 16];
+  constexpr int KB = KC / 4;  // 128-wide K blocks (FP8 scales)
+  // The grid is (expert slots of the bucket) x TI routed tiles, then TIS shared-expert tiles.
+  const int routed_blocks = gridDim.x - TIS;
+  if (blockIdx.x < routed_blocks) {
+    const int slot = blockIdx.x / TI, tile = blockIdx.x % TI;
+    grid_dep_wait();  // routing must be complete
+    grid_dep_launch();
+    if (slot >= *num_slots) return;
+    const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
+    const uint4* a = w13 + ((size_t)e * TI + tile) * KC * GR::AU * 32;
+    const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s13, (size_t)e * TI + tile, KC, 2)
+                      : FMT == MOE_W_NVFP4 ? nv_scales(s13, (size_t)e * TI + tile, KC, 2)
+                      : FMT == MOE_W_FP8_TENSOR ? s13 + (size_t)e * 4
+                      : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
+    const int sc_stride = FMT == MOE_W_FP8_TENSOR ? 2 : E * (I / 128) * KB;
+    for (int n0 = 0; n0 < m; n0 += 8 * NT) {
+      GR::run(a, FMT == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, slot_token + begin, n0, m, red, sc, sc_stride,
+              nv_scale2(sc, KC, 2), sx);
+      for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < m) {
+          float gv = GR::result(red, j, 0, r, col), uv = GR::result(red, j, 1, r, col);
+          if (ActRule::EXPERT_BIAS) {
+            gv += b_gate[(size_t)e * I + tile * 16 + r];
+            uv += b_up[(size_t)e * I + tile * 16 + r];
+          }
+          if (RouteRule::WEIGHT_ON_INPUT) {  // the routing weight scales the expert's input: w * (x . g)
+            const float w = slot_w[begin + tk];
+            gv *= w;
+            uv *= w;
+          }
+          act[(size_t)(begin + tk) * I + tile * 16 + r] = f32_to_bf16(activate<true>(gv, uv));
+        }
+      }
+      __syncthreads();
+    }
+  } else if (TIS > 0) {
+    // The shared expert reads only x and its weights: it need not wait for the routing (with FP8
+    // activations it reads x's codes, which the kernel before it writes).
+    if (FMTS == MOE_W_FP8_BLOCK_A8) grid_dep_wait();
+    grid_dep_launch();
+    const int tile = blockIdx.x - routed_blocks;
+    const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
+    const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss13, tile, KC, 2)
+                      : FMTS == MOE_W_NVFP4 ? nv_scales(ss13, tile, KC, 2)
+                      : FMTS == MOE_W_FP8_TENSOR ? ss13
+                      : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
+    for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
+      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, nullptr, n0, n, red, sc,
+              FMTS == MOE_W_FP8_TENSOR ? 2 : (IS / 128) * KB, nv_scale2(sc, KC, 2), sx);
+      for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
+        const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < n) {
+          const float gv = GS::result(red, j, 0, r, col), uv = GS::result(red, j, 1, r, col);
+          act_s[(size_t)tk * IS + tile * 16 + r] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Down projection of TPB 16-row tiles of the hidden dimension (one block: TPB*16 rows, packed
+// as TPB matrices per chunk) for one expert's tokens: y[p, h] = act[p, :] . d_h in fp32. Blocks
+// past the routed slots do the shared expert. The last block to finish a row group (a counter
+// per group, integer atomics only) writes that part of the output:
+// out[t, h] = sum_j w[t, j] * y[pair(t, j), h] (+ gate[t] * ys[t, h]), choices in order, so the
+// sum does not depend on which block came last.
+// FP8: s2 [E][H/128][I/128], ss2 [H/128][IS/128]; a block's TPB tiles share one 128-row block.
+// FP8 per-tensor: s2 [E][weight scale, input scale] (ss2 without E); the TPB tiles share them.
+// MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
+// NVFP4: s2 per row group e4m3 bytes [chunk][TPB tiles][2 blocks of 16][16 rows], then TPB scale_2.
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
+          int FMT, int FMTS, int E_LOCAL, bool PREFETCH>
+MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
+                          const float* __restrict__ s2, const float* __restrict__ ss2,
+                          const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
+                          const int* __restrict__ num_slots, const int* __restrict__ slot_expert,
+                          const int* __restrict__ slot_begin, float* y, float* ys,
+                          const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
+                          const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n,
+                          const float* __restrict__ b_down = nullptr, const bf16_t* __restrict__ x = nullptr,
+                          const int* __restrict__ topk_ids = nullptr, const bf16_t* __restrict__ actq = nullptr,
+                          const float* __restrict__ sa = nullptr, const bf16_t* __restrict__ actq_s = nullptr,
+                          const float* __restrict__ sas = nullptr) {
+  constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
+  using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH, FMT>;
+  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH, FMTS>;
+  static_assert(128 % ROWS == 0, "a block's rows lie in one 128-row scale block");
+  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  __shared__ uint4 red[SMEM / 16];
+  __shared__ int is_last;
+  const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
+  if (PREFETCH && blockIdx.x < routed_blocks && threadIdx.x == 0) {
+    // Before the wait, while gate/up may still run: this block's weight tile into L2. The routing
+    // is complete here (gate/up's routed blocks let this grid start only after their own wait on
+    // it); read past L1 all the same. A hint only: results never depend on it, and the expert
+    // index is clamped so that the address stays inside the weights whatever was read.
+    const int slot = blockIdx.x / TH;
+    if (slot < __ldcg(num_slots)) {
+      const int e = min(max(__ldcg(slot_expert + slot), 0), E_LOCAL - 1);
+      prefetch_l2(w2 + ((size_t)e * TH + blockIdx.x % TH) * KC * GR::AU * 32, KC * GR::AU * 512);
+    }
+  } else if (PREFETCH && KCS > 0 && threadIdx.x == 0) {  // the shared expert's tile needs no routing
+    prefetch_l2(ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * GS::AU * 32, KCS * GS::AU * 512);
+  }
+  grid_dep_wait();
+  grid_dep_launch();
+  int group;
+  if (blockIdx.x < routed_blocks) {
+    const int slot = blockIdx.x / TH;
+    group = blockIdx.x % TH;
+    if (slot >= *num_slots) return;
+    const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
+    const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
+    const float* sc = FMT == MOE_W_MXFP4 ? mx_scales(s2, (size_t)e * TH + group, KC, TPB)
+                      : FMT == MOE_W_NVFP4 ? nv_scales(s2, (size_t)e * TH + group, KC, TPB)
+                      : FMT == MOE_W_FP8_TENSOR ? s2 + (size_t)e * 2
+                      : FMT == MOE_W_BF16 ? nullptr : s2 + ((size_t)e * (H / 128) + group * ROWS / 128) * (KC / 4);
+    const bf16_t* xa = (FMT == MOE_W_FP8_BLOCK_A8 ? actq : act) + (size_t)begin * KC * 32;
+    const float* xs = FMT == MOE_W_FP8_BLOCK_A8 ? sa + (size_t)begin * (KC / 4) : nullptr;
+    for (int n0 = 0; n0 < m; n0 += 8 * NT) {
+      GR::run(a, xa, KC * 32, nullptr, n0, m, red, sc, 0, nv_scale2(sc, KC, TPB), xs);
+      for (int i = threadIdx.x; i < NT * 128 * TPB; i += WARPS * 32) {
+        const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < m) {
+          float v = GR::result(red, j, mt, r, col);
+          if (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
+          y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = v;
+        }
+      }
+      __syncthreads();
+    }
+  } else {
+    group = blockIdx.x - routed_blocks;
+    const uint4* a = ws2 + (size_t)group * KCS * GS::AU * 32;
+    const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss2, group, KCS, TPB)
+                      : FMTS == MOE_W_NVFP4 ? nv_scales(ss2, group, KCS, TPB)
+                      : FMTS == MOE_W_FP8_TENSOR ? ss2
+                      : FMTS == MOE_W_BF16 ? nullptr : ss2 + (size_t)(group * ROWS / 128) * (KCS / 4);
+    for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
+      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? actq_s : act_s, KCS * 32, nullptr, n0, n, red, sc, 0,
+              nv_scale2(sc, KCS, TPB), sas);
+      for (int i = threadIdx.x; i < NTS * 128 * TPB; i += WARPS * 32) {
+        const int mt = i / (NTS * 128), j = (i >> 7) % NTS, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+        if (tk < n) ys[(size_t)tk * H + group * ROWS + mt * 16 + r] = GS::result(red, j, mt, r, col);
+      }
+      __syncthreads();
+    }
+  }
+  // Publish this block's rows, then count it; the block that completes the group combines it.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int expect = *num_slots + (KCS > 0 ? 1 : 0);  // read again: not held across the GEMV
+    is_last = atomicAdd(&tile_done[group], 1) == expect - 1;
+    if (is_last) tile_done[group] = 0;  // every block of this group has counted: ready for the next call
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < n * ROWS; i += WARPS * 32) {
+    const int tk = i / ROWS, h = group * ROWS + i % ROWS;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      // Llama-4 weighted the input instead; a zero (identity) expert contributes w * x.
+      const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
+      if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
+        if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);  // added on one rank
+      } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {  // expert parallelism: this rank's experts
+        acc = fmaf(w, __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
+      }
+    }
+    if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
+    out[(size_t)tk * H + h] = f32_to_bf16(acc);
+  }
+}
+
+// ---- FP8 activations (MODELS.md format a): per token and 128 channels ----
+// s = max(amax, 1e-4) / 448 in fp32; the codes e4m3(v / s) are kept as their bf16 values (exact),
+// which the FP8 GEMMs multiply on the tensor cores, scaling each chunk's sums by s. A warp per
+// (row, 128 channels), grid-strided.
+MOE_DEVICE void quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int k,
+                           int rows, int first_warp, int warps) {
+  const int lane = threadIdx.x & 31, kb_count = k / 128;
+  for (int w = first_warp; w < rows * kb_count; w += warps) {
+    const int row = w / kb_count, kb = w % kb_count;
+    const size_t at = (size_t)row * k + kb * 128 + lane * 4;
+    const uint2 v = *reinterpret_cast<const uint2*>(src + at);
+    const float a = fmaxf(fmaxf(fabsf(bf16_to_f32((bf16_t)(v.x & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.x >> 16)))),
+                          fmaxf(fabsf(bf16_to_f32((bf16_t)(v.y & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.y >> 16)))));
+    const float sc = __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
+    *reinterpret_cast<uint2*>(q + at) = make_uint2(quant_e4m3x2(v.x, sc), quant_e4m3x2(v.y, sc));
+    if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
+  }
+}
+
+template <int K, int THREADS>
+MOE_DEVICE void act_quant_body(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
+  grid_dep_wait();  // the previous kernels (and the last call's readers of q) are done
+  grid_dep_launch();
+  quant_rows(src, q, s, K, n, blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), gridDim.x * (THREADS / 32));
+}
+
+// The routed activations (n * KR rows of I) and the shared expert's (n rows of IS, where KS).
+template <int I, int KR, int IS, int KS, int THREADS>
+MOE_DEVICE void act_quant2_body(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa,
+                                const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s,
+                                float* __restrict__ sas, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
+  const int first = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), warps = gridDim.x * (THREADS / 32);
+  if (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
+  if (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
+}
+
+// ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
+// MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
+// one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
+// matrices of a tile group are consecutive 16-row tiles of src0: [E][R_pad/(16*MATS)][K/32][MATS]...
+template <int MATS, bool INTERLEAVE>
+MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
+                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  const int tiles = rows_pad / (INTERLEAVE ? 16 * MATS : 16), chunks = k / 32;
+  const long long total = (long long)experts * tiles * chunks * MATS * 64;
+  for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+       u += (long long)gridDim.x * blockDim.x) {
+    long long r = u;
+    const int lane = (int)(r % 32); r /= 32;
+    const int s = (int)(r % 2); r /= 2;
+    const int mt = (int)(r % MATS); r /= MATS;
+    const int chunk = (int)(r % chunks); r /= chunks;
+    const int tile = (int)(r % tiles);
+    const int e = (int)(r / tiles);
+    const bf16_t* src = (INTERLEAVE || mt == 0 ? src0 : src1) + (size_t)e * rows * k;
+    const int row0 = INTERLEAVE ? (tile * MATS + mt) * 16 : tile * 16;
+    const int g = lane >> 2, col = chunk * 32 + 8 * (lane & 3) + 4 * s;
+    u32 v[4];
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        v[q * 2 + h] = row < rows ? *reinterpret_cast<const u32*>(src + (size_t)row * k + col + 2 * q) : 0u;
+      }
+    dst[u] = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// ---- norm family: RMSNorm of x before the router and/or before the experts ----
+// One block per token: the sum of squares in fp32 (a fixed reduction order), then
+// bf16(x * rsqrt(mean + eps) * weight) for each norm the layer has.
+template <int H, int THREADS, bool ROUTER_NORM, bool EXPERT_NORM>
+MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restrict__ w_router,
+                             const float* __restrict__ w_expert, bf16_t* __restrict__ xr,
+                             bf16_t* __restrict__ xe, int n) {
+  __shared__ float part[THREADS / 32];
+  grid_dep_wait();
+  grid_dep_launch();
+  const int tk = blockIdx.x;
+  if (tk >= n) return;
+  const bf16_t* row = x + (size_t)tk * H;
+  float ss = 0.0f;
+  for (int h = threadIdx.x; h < H; h += THREADS) {
+    const float v = bf16_to_f32(row[h]);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += part[w];
+  const float mean = total / H;
+  const float rr = 1.0f / sqrtf(mean + NormRule::ROUTER_EPS), re = 1.0f / sqrtf(mean + NormRule::EXPERT_EPS);
+  for (int h = threadIdx.x; h < H; h += THREADS) {
+    const float v = bf16_to_f32(row[h]);
+    if (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
+    if (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
+  }
+}
+
+// ---- the plan's invariants, re-checked by the compiler ----
+static_assert(7168 % 32 == 0, "hidden size: whole 32-wide K chunks and down row groups");
+static_assert(2048 % 32 == 0, "expert width: whole 16-row tiles and 32-wide K chunks");
+static_assert(2048 % 32 == 0, "shared expert width: whole tiles and chunks");
+static_assert(256 % 16 == 0 && 256 >= 256, "router rows padded to whole tiles");
+static_assert((7168 / 32) % 14 == 0 && (7168 / 32) / 14 >= 4, "router K split into whole chunks");
+static_assert(8 <= 32, "route: one choice per lane");
+
+// ---- kernels of this layer ----
+// route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<256, 256, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// weight packing, 1 matrices per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// weight packing, 2 matrices per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// weight packing, 2 consecutive tiles per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
+}
+// router: 256 rows x 7168, K split 14 ways, 8 tokens per pass; the last block routes
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt1_n256_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<224, 1, 4, 8, 14, 256, 256, true, 256, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
+extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h7168_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
+  act_quant_body<7168, 256>(src, q, s, n);
+}
+// gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
+  gate_up_body<224, 1, 1, 4, 5, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
+}
+// the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs
+extern "C" __global__ void __launch_bounds__(256) moe_act_quant_i2048k8_s2048_sm_90a(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa, const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s, float* __restrict__ sas, int n) {
+  act_quant2_body<2048, 8, 2048, 1, 256>(act, actq, sa, act_s, actq_s, sas, n);
+}
+// down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
+  down_body<64, 64, 1, 1, 4, 5, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
+}
+// router: 256 rows x 7168, K split 14 ways, 16 tokens per pass; each tile's last block adds its partials
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<224, 2, 4, 6, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt2_fp8_block_a8_si2048_nts2_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
+  gate_up_body<224, 2, 2, 4, 4, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
+}
+// down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt2_fp8_block_a8_si2048_nts2_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
+  down_body<64, 64, 2, 2, 4, 4, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
+}
+// router: 256 rows x 7168, K split 14 ways, 32 tokens per pass; each tile's last block adds its partials
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<224, 4, 4, 4, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt4_fp8_block_a8_si2048_nts4_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
+  gate_up_body<224, 4, 4, 4, 2, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
+}
+// down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
+extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt4_fp8_block_a8_si2048_nts4_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
+  down_body<64, 64, 4, 4, 4, 2, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
+}
