@@ -212,7 +212,8 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
         ms = time_stack(timer, stack, xs) / 1e3
-        distinct = [len(np.unique(layer.routing(n)[0])) for layer in stack]
+        # routed experts only: a zero (identity) expert's index, >= E, reads no weights
+        distinct = [int(np.count_nonzero(np.unique(layer.routing(n)[0]) < plan.experts)) for layer in stack]
         need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}

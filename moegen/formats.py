@@ -76,6 +76,28 @@ def e2m1_encode(x: np.ndarray) -> np.ndarray:
     return codes | np.where(x < 0, np.uint8(8), np.uint8(0))
 
 
+# Decode tables for the float64 dequantizations: every e4m3 byte's value (NaN codes NaN), and
+# every byte of packed e2m1 as its two values (low nibble first, the formats' nibble order). One
+# gather per byte replaces unpacking, decoding and converting (large checkpoints dequantize in
+# the reference expert by expert, and that is its cost).
+E4M3_BYTE_F64 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+E2M1_BYTE_F64 = np.stack([E2M1_VALUES[np.arange(256) & 15], E2M1_VALUES[np.arange(256) >> 4]], -1).astype(np.float64)
+
+
+def _block_scaled(vals: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """vals [..., N, K] (float64, modified in place) times scale [..., ceil(N/bn), ceil(K/bk)]
+    repeated over its bn x bk blocks. Aligned shapes broadcast over a blocked view; others (a
+    matrix not a multiple of the block) repeat the scales out to the matrix."""
+    (bn, bk), (n, k) = block, vals.shape[-2:]
+    s = scale.astype(np.float64)
+    if n % bn or k % bk:
+        vals *= np.repeat(np.repeat(s, bn, -2), bk, -1)[..., :n, :k]
+        return vals
+    blocked = vals.reshape(*vals.shape[:-2], n // bn, bn, k // bk, bk)
+    blocked *= s[..., :, None, :, None]
+    return vals
+
+
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:
     """e2m1 codes (uint8 0..15) -> float32 values."""
     return E2M1_VALUES[np.asarray(codes) & 15]
@@ -100,6 +122,12 @@ def unpack_nibbles(packed: np.ndarray, order: NibbleOrder = "low_even") -> np.nd
     out = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), np.uint8)
     out[..., 0::2], out[..., 1::2] = even, odd
     return out
+
+
+def _e2m1_bytes(packed: np.ndarray) -> np.ndarray:
+    """[..., K/2] packed e2m1 bytes -> [..., K] float64 values (low nibble = even element)."""
+    packed = np.asarray(packed).view(np.uint8)
+    return E2M1_BYTE_F64[packed].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def e8m0_decode(b: np.ndarray) -> np.ndarray:
@@ -155,9 +183,8 @@ class FP8BlockWeight:
     format: ClassVar[WeightFormat] = WeightFormat.fp8_block
 
     def dequantize(self, dtype: type = np.float64) -> np.ndarray:
-        n, k = self.q.shape[-2:]
-        s = np.repeat(np.repeat(self.scale_inv.astype(np.float64), FP8_BLOCK, -2), FP8_BLOCK, -1)
-        return (self.q.astype(np.float64) * s[..., :n, :k]).astype(dtype)
+        vals = E4M3_BYTE_F64[np.asarray(self.q).view(np.uint8)]
+        return _block_scaled(vals, self.scale_inv, (FP8_BLOCK, FP8_BLOCK)).astype(dtype, copy=False)
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {"weight": self.q, "weight_scale_inv": self.scale_inv}
@@ -209,9 +236,9 @@ class NVFP4Weight:
     def dequantize(self, dtype: type = np.float64) -> np.ndarray:
         # Exact product of the stored values; kernels that form scale * scale_2 in float32 first
         # differ from it by at most 2^-24 relative.
-        vals = e2m1_decode(unpack_nibbles(self.packed)).astype(np.float64)
-        s = np.repeat(self.scale.astype(np.float64), NVFP4_BLOCK, -1) * self.row_scale_2()[..., None]
-        return (vals * s)[..., : self.k].astype(dtype)
+        vals = _e2m1_bytes(self.packed)
+        s = self.scale.astype(np.float64) * self.row_scale_2()[..., None]
+        return np.ascontiguousarray(_block_scaled(vals, s, (1, NVFP4_BLOCK))[..., : self.k], dtype=dtype)
 
     def split(self) -> list[NVFP4Weight]:
         """One NVFP4Weight per segment (each with its own scale_2): the inverse of fuse_rows."""
@@ -244,8 +271,9 @@ class MXFP4Weight:
         return unpack_nibbles(self.packed)[..., : self.k]
 
     def dequantize(self, dtype: type = np.float64) -> np.ndarray:
-        vals = e2m1_decode(unpack_nibbles(self.packed)).astype(np.float64)
-        return (vals * np.repeat(e8m0_decode(self.scale), MXFP4_BLOCK, -1))[..., : self.k].astype(dtype)
+        vals = _e2m1_bytes(self.packed)
+        return np.ascontiguousarray(_block_scaled(vals, e8m0_decode(self.scale), (1, MXFP4_BLOCK))[..., : self.k],
+                                    dtype=dtype)
 
     def tensors(self) -> dict[str, np.ndarray]:
         """GPT-OSS form: {"blocks": [..., K/32, 16], "scales": [..., K/32]}."""

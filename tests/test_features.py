@@ -10,7 +10,7 @@ import pytest
 from moegen.build import render_all
 from moegen.nvrtc import compile_cuda
 from moegen.plan import make_plan
-from moegen.spec import SpecError, load_spec, not_generated, parse_spec
+from moegen.spec import SpecError, not_generated, parse_spec
 from moegen.weights import tensors
 
 BASE = {"name": "f", "model": "f", "hidden_size": 1024}

@@ -21,7 +21,7 @@ from conftest import SPECS
 from moegen import reference
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
-from moegen.formats import MXFP4Weight, NVFP4Weight
+from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
 from moegen.plan import Plan, make_plan
 from moegen.runtime import Layer, load
 from moegen.spec import Spec, load_spec
@@ -130,8 +130,8 @@ def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any]:
 
 
 def _fp8_block_values(q: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """W = q * s[i // 128, j // 128] in float64 (exact), for one matrix."""
-    return q.astype(np.float64) * np.repeat(np.repeat(s.astype(np.float64), 128, -2), 128, -1)
+    """W = q * s[i // 128, j // 128] in float64 (exact)."""
+    return FP8BlockWeight(q, s).dequantize()
 
 
 class PerExpert:

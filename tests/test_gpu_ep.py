@@ -57,7 +57,7 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
     _check_rows(total.double().cpu().numpy(), _host(want).astype(np.float64), f"ep_size={ep_size}")
 
 
-def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer_spec: dict | None = None,
+def _rank_main(rank: int, world: int, root: str, port: int, layer_spec: dict | None = None,
                counts: tuple[int, ...] = (64,), watchdog: float = 240.0) -> None:
     """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too. A
     rank still running after `watchdog` seconds prints its stack and exits (a failure, not a hang)."""
@@ -108,9 +108,8 @@ def _rank_main(rank: int, world: int, root: str, port: int, results: dict, layer
             want = torch.empty_like(x)
             full(x, out=want, stream=torch.cuda.current_stream())
             torch.cuda.synchronize()
-            results[f"eager{n}"] = _host(eager).astype(np.float64)
-            results[f"graph{n}"] = _host(out).astype(np.float64)
-            results[f"want{n}"] = _host(want).astype(np.float64)
+            for kind, t in (("eager", eager), ("graph", out), ("want", want)):  # for the parent, as files
+                np.save(f"{root}/{kind}{n}.npy", _host(t).astype(np.float64))
     faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
@@ -130,9 +129,10 @@ def test_ranks_on_several_gpus(layer_spec, counts, port, watchdog, tmp_path):
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("one process per GPU needs at least 2 GPUs")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(world, str(tmp_path), port, results, layer_spec, counts, watchdog), nprocs=world, join=True)
-        for n in counts:
-            for kind in ("eager", "graph"):
-                _check_rows(results[f"{kind}{n}"], results[f"want{n}"], f"{world} GPUs, N={n}, {kind}")
+    # a fresh interpreter per rank (spawn) and the results through files: no manager process
+    # forked from this one, which holds CUDA and threads
+    mp.spawn(_rank_main, args=(world, str(tmp_path), port, layer_spec, counts, watchdog), nprocs=world, join=True)
+    for n in counts:
+        want = np.load(tmp_path / f"want{n}.npy")
+        for kind in ("eager", "graph"):
+            _check_rows(np.load(tmp_path / f"{kind}{n}.npy"), want, f"{world} GPUs, N={n}, {kind}")

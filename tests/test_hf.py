@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from moegen import spec as spec_module
 from moegen.check import run_check
 from moegen.checkpoint import CheckpointError, MissingTensor, ShapeError, load_layer
 from moegen.cli import main
@@ -25,7 +26,6 @@ from moegen.hf import (
     moe_layers,
 )
 from moegen.spec import load_spec, not_generated, parse_spec
-from moegen import spec as spec_module
 from moegen.specyaml import to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
