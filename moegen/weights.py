@@ -184,10 +184,20 @@ def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray
     return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded)
 
 
+# Byte order of an FP8 fragment word: elements e0, e2, e1, e3 (the kernels' e4m3x4_to_bf16x4
+# makes register (e0, e1) from bytes 0 and 2, and (e2, e3) from bytes 1 and 3).
+FP8_WORD_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)
+
+
 def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
-    """FP8 codes (uint8) in the kernels' layout: the bf16 fragment order, then each lane's two
-    k-steps side by side, so one 16-byte load per lane brings a whole 16x32 chunk."""
-    p = _pack_one(pw, codes)  # [..., T, KC, MATS, 2 k-steps, 32 lanes, 8]
+    """FP8 codes (uint8) in the kernels' layout: the bf16 fragment order with each 4-byte word's
+    middle bytes swapped (FP8_WORD_ORDER), then each lane's two k-steps side by side, so one
+    16-byte load per lane brings a whole 16x32 chunk. The e4m3 NaN codes are refused: the kernels
+    read every code as a finite value."""
+    for name, c in codes.items():
+        if ((np.asarray(c).view(np.uint8) & 0x7F) == 0x7F).any():
+            raise WeightError(f"{name}: e4m3 NaN codes (0x7F, 0xFF); FP8 weights must be finite")
+    p = _pack_one(pw, codes)[..., FP8_WORD_ORDER]  # [..., T, KC, MATS, 2 k-steps, 32 lanes, 8]
     return np.ascontiguousarray(np.swapaxes(p, -3, -2))  # [..., T, KC, MATS, 32 lanes, 2, 8]
 
 

@@ -12,7 +12,7 @@ import cuda.core
 import ml_dtypes
 import numpy as np
 import pytest
-from test_features import ALL, BASE, CASES
+from test_features import BASE, CASES
 
 from moegen import runtime
 from moegen.arrays import ArrayError, View
@@ -123,7 +123,7 @@ SMALL = {
     "fp8": {"experts": {"count": 16, "top_k": 4, "intermediate_size": 256, "format": "fp8_block"},
             "shared_expert": {"intermediate_size": 256, "format": "fp8_block"}},
 }
-SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **ALL}.items()]
+SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **CASES}.items()]
 
 
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
@@ -254,7 +254,9 @@ def test_codes_packed_by_expert_chunks_equal_one_pack(fmt, per_expert):
     spec = parse_spec({**BASE, "experts": {"count": 19, "top_k": 2, "intermediate_size": 256, "format": fmt}})
     plan = make_plan(spec)
     pw = next(w for w in plan.weights if w.name == "w13")
-    codes = {src: np.random.default_rng().integers(0, 256, tensors(plan)[src][0], dtype=np.uint8) for src in pw.sources}
+    rng = np.random.default_rng()  # FP8: finite codes (the packer refuses e4m3 NaN)
+    codes = {src: rng.integers(0, 256, tensors(plan)[src][0], dtype=np.uint8) & (0xFE if fmt == "fp8_block" else 0xFF)
+             for src in pw.sources}
     pieces = {src: [(f"{src}.{e}", c[e]) for e in range(len(c))] if per_expert else [(src, c)]
               for src, c in codes.items()}
     pack = W.pack_fp8 if fmt == "fp8_block" else (

@@ -273,6 +273,84 @@ def test_nvfp4_tile_product_as_the_kernel_reads_it(interleaved):
                 _check_tile(d[mt], w, (tile * 2 + mt) * 16 if interleaved else tile * 16, rows, x)
 
 
+# ----------------------------------------------------------------------------- FP8
+
+
+def _e4m3x4_to_bf16x4(q: int) -> list[int]:
+    """templates/common.cuh.j2 e4m3x4_to_bf16x4, operation for operation: the two registers'
+    bits before the bf16 multiply by 2^120 (bf16_value() applies it)."""
+    sign, bits = 0x80008000, 0x07F007F0
+    lo = (((q << 8) & 0xFFFFFFFF) & sign) | (((q << 4) & 0xFFFFFFFF) & bits)
+    hi = (q & sign) | ((q >> 4) & bits)
+    return [lo, hi]
+
+
+def _times_2_120(r: int) -> tuple[float, float]:
+    """mul.rn.bf16x2 by 2^120 of a register holding a code's value times 2^-120: exact (the
+    product is an e4m3 value, a bf16 value; float64 holds every bf16, subnormals included)."""
+    vals = tuple(v * 2.0**120 for v in _bf16x2(r))
+    assert all(float(np.float64(v).astype(ml_dtypes.bfloat16)) == v for v in vals)
+    return vals
+
+
+def test_e4m3_register_conversion_is_exact_for_every_code_in_every_position():
+    """Every finite e4m3 code (both zeros, the subnormals, +-448) in each byte of a word, among
+    random others, comes out as its ml_dtypes value in the element the packer put it at."""
+    from moegen.weights import FP8_WORD_ORDER
+
+    rng = np.random.default_rng()
+    finite = [c for c in range(256) if c & 0x7F != 0x7F]
+    for pos in range(4):
+        for code in finite:
+            elems = rng.choice(finite, 4)
+            elems[pos] = code  # fragment elements e0..e3, stored in FP8_WORD_ORDER
+            stored = [int(elems[FP8_WORD_ORDER[i]]) for i in range(4)]
+            q = sum(b << 8 * i for i, b in enumerate(stored))
+            got = [v for r in _e4m3x4_to_bf16x4(q) for v in _times_2_120(r)]
+            want = _e4m3(np.array(elems, np.uint8))
+            assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want)), (pos, code)
+
+
+def test_fp8_tile_product_as_the_kernel_reads_it():
+    """FP8 block codes packed by pack_fp8 and read lane by lane as TileGemv does (a lane's 16
+    bytes: two k-steps of two words, each word converted by e4m3x4_to_bf16x4; m16n8k16
+    fragments; the 128x128 block scale per chunk) give the dequantized weights times x: rows
+    padded, gate and up side by side, every finite code."""
+    from moegen.plan import PackedWeight
+    from moegen.weights import pack_fp8
+
+    rng = np.random.default_rng()
+    e, rows, pad, k = 2, 24, 32, 128
+    pw = PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, rows, pad, k, "fp8_block", "s")
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    codes = {s: rng.choice(finite, (e, rows, k)) for s in pw.sources}
+    codes["experts.gate_proj"][0, 0, :len(finite) // 2] = finite[: len(finite) // 2]
+    codes["experts.up_proj"][1, 1, :len(finite) // 2] = finite[len(finite) // 2:]
+    scale = {s: rng.uniform(0.5, 2.0, (e, 1, 1)) for s in pw.sources}  # one 128x128 block here
+    packed = pack_fp8(pw, codes)
+    assert packed.shape == (e, pad // 16, k // 32, 2, 32, 2, 8)
+    words = packed.view("<u4")  # [E, T, KC, MATS, lane, k-step, 2 words]
+    x = rng.standard_normal((3, k))
+    with pytest.raises(WeightError, match="experts.up_proj: e4m3 NaN codes"):
+        pack_fp8(pw, {**codes, "experts.up_proj": np.full((e, rows, k), 0xFF, np.uint8)})
+    for ex in range(e):
+        for tile in range(pad // 16):
+            d = np.zeros((2, 16, 3))
+            for c in range(k // 32):
+                for mt in range(2):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for s in range(2):
+                            a = [v for wd in words[ex, tile, c, mt, lane, s] for r in _e4m3x4_to_bf16x4(int(wd))
+                                 for v in _times_2_120(r)]
+                            lo, hi = _lane_dot(a, x[:, 32 * c + 8 * t + 4 * s: 32 * c + 8 * t + 4 * s + 4])
+                            d[mt, g] += lo
+                            d[mt, g + 8] += hi
+            for mt, src in enumerate(pw.sources):
+                d[mt] *= scale[src][ex, 0, 0]
+                _check_tile(d[mt], _e4m3(codes[src][ex]) * scale[src][ex, 0, 0], tile * 16, rows, x)
+
+
 def test_fp8_tensor_scales_where_the_kernels_read_them():
     """FP8 per-tensor: gate/up blocks read matrix mt's weight and input scales at s13[e * 4 + mt * 2]
     and [+ 1], down blocks at s2[e * 2] and [+ 1] (the shared expert's without e); the packed

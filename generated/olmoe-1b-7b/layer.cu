@@ -184,6 +184,28 @@ MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
   return pack_bf16x2(lo, hi);
 }
 
+// Four e4m3 weight codes as the two bf16x2 registers (e0, e1) and (e2, e3) of an A fragment,
+// exactly, with integer operations and one bf16 multiply per register (no conversion unit: its
+// quarter rate made the FP8 GEMV conversion-bound). The packer stores a word's bytes as e0, e2,
+// e1, e3, so bytes 0 and 2 make the first register and bytes 1 and 3 the second. A code's bits
+// moved into a bf16 (sign to bit 15, exponent and mantissa to bits 10..4) read as its value
+// times 2^-120: e4m3's bias is 7, bf16's 127, and e4m3's subnormals land on bf16's. The multiply
+// by 2^120 (bf16 0x7B80) is exact, subnormal inputs included. The NaN codes (0x7F, 0xFF) are
+// refused when the codes are packed.
+MOE_DEVICE uint2 e4m3x4_to_bf16x4(u32 q) {
+  constexpr u32 SIGN = 0x80008000u, BITS = 0x07F007F0u, TWO_120 = 0x7B807B80u;
+  const u32 lo = ((q << 8) & SIGN) | ((q << 4) & BITS);  // bytes 0 and 2: e0, e1
+  const u32 hi = (q & SIGN) | ((q >> 4) & BITS);         // bytes 1 and 3: e2, e3
+  return make_uint2(mul_bf16x2(lo, TWO_120), mul_bf16x2(hi, TWO_120));
+}
+// The 16 codes of a lane's FP8 fragment (two k-steps) as the 8 registers of its two A fragments.
+MOE_DEVICE void e4m3x16_to_bf16(uint4 q, uint4& k0, uint4& k1) {
+  const uint2 a = e4m3x4_to_bf16x4(q.x), b = e4m3x4_to_bf16x4(q.y);
+  const uint2 c = e4m3x4_to_bf16x4(q.z), d = e4m3x4_to_bf16x4(q.w);
+  k0 = make_uint4(a.x, a.y, b.x, b.y);
+  k1 = make_uint4(c.x, c.y, d.x, d.y);
+}
+
 // Two bf16 activations (low half first) quantized by a static scale, as two bf16 holding their
 // e4m3 values exactly: e4m3(x / s) with round-to-nearest-even, saturating at +-448.
 MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) {
@@ -368,11 +390,8 @@ struct TileGemv {
         uint4 bq[NT];
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
-          const uint4 q = av[mt];
-          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
-                                      e4m3x2_to_bf16x2(q.y >> 16));
-          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
-                                      e4m3x2_to_bf16x2(q.w >> 16));
+          uint4 k0, k1;
+          e4m3x16_to_bf16(av[mt], k0, k1);
           if (mt == 0 || scale_stride != 0) {  // matrices of one source share their input scale
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -396,11 +415,8 @@ struct TileGemv {
         }
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
-          const uint4 q = av[mt];
-          const uint4 k0 = make_uint4(e4m3x2_to_bf16x2(q.x), e4m3x2_to_bf16x2(q.x >> 16), e4m3x2_to_bf16x2(q.y),
-                                      e4m3x2_to_bf16x2(q.y >> 16));
-          const uint4 k1 = make_uint4(e4m3x2_to_bf16x2(q.z), e4m3x2_to_bf16x2(q.z >> 16), e4m3x2_to_bf16x2(q.w),
-                                      e4m3x2_to_bf16x2(q.w >> 16));
+          uint4 k0, k1;
+          e4m3x16_to_bf16(av[mt], k0, k1);
           const float sc = lds_f32(sb + 4 * mt);
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
