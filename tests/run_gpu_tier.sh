@@ -3,6 +3,7 @@
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
 #   bash tests/run_gpu_tier.sh            everything (longer than one 10-minute device call: use the modes)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
+#   bash tests/run_gpu_tier.sh tierq      the tier as a queue over every GPU here, largest specs first (MOEGEN_TIER_BUDGET s)
 #   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
 #   bash tests/run_gpu_tier.sh checks     the feature (rules, FP4 and FP8 modes), expert-parallel and oracle tests
 #   bash tests/run_gpu_tier.sh sanitize   compute-sanitizer memcheck and racecheck of BF16 and quantized layers
@@ -50,6 +51,38 @@ if [ "$mode" = all ] || [ "$mode" = tier ]; then
 fi
 if [ "$mode" = tier1 ] || [ "$mode" = tier2 ]; then
   MOEGEN_TIER_PART="${mode#tier}" run "gpu-$mode" pytest_gpu tests/test_gpu.py
+fi
+if [ "$mode" = tierq ]; then
+  # the catalog (or MOEGEN_TIER_SPECS) as a queue, largest layers first, one worker per GPU; each
+  # spec its own pytest on its GPU; nothing new starts within 60 s of MOEGEN_TIER_BUDGET (seconds)
+  end=$(( $(date +%s) + ${MOEGEN_TIER_BUDGET:-540} ))
+  q="$out/queue.txt"
+  python3 - "$q" <<'PY'
+import os, sys
+from pathlib import Path
+from moegen.bench import weight_bytes
+from moegen.plan import make_plan
+from moegen.spec import load_spec
+keep = set(filter(None, os.environ.get("MOEGEN_TIER_SPECS", "").split(",")))
+specs = [p for p in sorted(Path("specs").glob("*.yaml")) if not keep or p.stem in keep]
+specs.sort(key=lambda p: -weight_bytes(make_plan(load_spec(p))))
+Path(sys.argv[1]).write_text("".join(p.stem + "\n" for p in specs))
+PY
+  worker() {  # GPU index
+    while :; do
+      left=$((end - $(date +%s))); [ "$left" -lt 60 ] && break
+      s=$(flock "$q.lock" sh -c "head -1 '$q'; sed -i 1d '$q'")
+      [ -z "$s" ] && break
+      CUDA_VISIBLE_DEVICES=$1 MOEGEN_TIER_SPECS=$s timeout "$left" python3 -m pytest -v -rfE --tb=short \
+        -W ignore::DeprecationWarning -p no:cacheprovider -m gpu tests/test_gpu.py >"$out/tier-$s.log" 2>&1
+      echo "gpu$1 $s rc=$? $(tail -1 "$out/tier-$s.log")" >>"$out/tierq.txt"
+    done
+  }
+  ngpu=$(nvidia-smi -L | wc -l)
+  for g in $(seq 0 $((ngpu - 1))); do worker "$g" & done
+  wait
+  cat "$out/tierq.txt"; echo "not run: $(tr '\n' ' ' <"$q")"
+  summary+=("tierq: $(grep -c 'rc=0' "$out/tierq.txt") specs passed, $(grep -vc 'rc=0' "$out/tierq.txt") failed or stopped")
 fi
 case "$mode" in tier[1-9]of[1-9])  # e.g. tier1of3: every third spec from the first
   part="${mode#tier}"; MOEGEN_TIER_PART="${part%of*}/${part#*of}" run "gpu-$mode" pytest_gpu tests/test_gpu.py ;;
