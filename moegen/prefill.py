@@ -1,0 +1,178 @@
+"""Prefill building blocks: the grouped GEMM on wgmma (templates/grouped_gemm.cu.j2) and the
+token permutation it reads.
+
+For large token counts the experts' GEMMs are real matrix products: the tokens of each expert
+are grouped (a stable sort by expert: token order inside an expert, so a token's row, and
+therefore its result, does not depend on the other tokens), and one block computes BM token rows
+times BN weight rows of one expert on the warpgroup tensor cores. This module renders and
+compiles that kernel and makes its tile table; it is not yet part of a generated layer (the
+plan's buckets stop at the decode path), so a layer's N stays within its spec's max_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .render import env
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Block shape of the grouped GEMM: BM token rows (64 per warpgroup) x BN weight rows, a
+    STAGES-deep shared-memory ring of 64-wide K tiles."""
+
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bm not in (64, 128, 192, 256):
+            raise ValueError(f"bm={self.bm}: 64 token rows per warpgroup, 1 to 4 warpgroups")
+        if self.bn % 16 or not 16 <= self.bn <= 256 or (self.bn * 8) % self.threads:
+            raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
+        if self.stages < 3:
+            raise ValueError(f"stages={self.stages}: at least 3")
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 64 * 128
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring, plus 1 KB to align it to the swizzle's 1024 bytes."""
+        return self.stages * (self.bm + self.bn) * 64 * 2 + 1024
+
+    @property
+    def name(self) -> str:
+        return f"moe_grouped_gemm_bm{self.bm}_bn{self.bn}_s{self.stages}_bf16"
+
+
+def render_grouped_gemm(t: GemmTiles) -> str:
+    """The CUDA source of one grouped-GEMM kernel (with the common header), for NVRTC."""
+    n = t.bn // 2
+    g = {
+        "name": t.name, "bm": t.bm, "bn": t.bn, "stages": t.stages, "threads": t.threads,
+        "acc_regs": ", ".join(f"%{i}" for i in range(n)),
+        "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(n)),
+    }
+    common = env().get_template("common.cuh.j2").render()
+    return common + "\n" + env().get_template("grouped_gemm.cu.j2").render(g=g)
+
+
+def group_by_expert(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routing ids [N, k] -> (tok [N*k] int32: the token of each permuted row, grouped by expert
+    and in token order within an expert; slot [N*k] int32: the permuted row of each (token, slot)
+    pair, flattened; counts [E] int64)."""
+    ids = np.asarray(ids)
+    flat = ids.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= experts):
+        raise ValueError(f"expert ids must lie in [0, {experts})")
+    order = np.argsort(flat, kind="stable")  # (token, slot) pairs by expert, token order kept
+    tok = (order // ids.shape[1]).astype(np.int32)
+    slot = np.empty_like(order)
+    slot[order] = np.arange(order.size)
+    return tok, slot.astype(np.int32), np.bincount(flat, minlength=experts)
+
+
+def tile_table(counts: np.ndarray, bm: int) -> np.ndarray:
+    """[tiles, 3] int32 (expert, first permuted row, rows): each expert's rows in BM-row tiles."""
+    rows, start = [], 0
+    for e, c in enumerate(np.asarray(counts, np.int64)):
+        rows += [(e, start + r, min(bm, int(c) - r)) for r in range(0, int(c), bm)]
+        start += int(c)
+    return np.array(rows, np.int32).reshape(-1, 3)
+
+
+class GroupedGemm:
+    """One compiled grouped-GEMM kernel on a device: y[p, :] = x[tok[p], :] @ w[e].T for the
+    rows p of each tile (expert e). Pointers are raw device addresses (bf16 x [T, K], int32 tok
+    [P], bf16 w [E, n_out, K], int32 tiles [n_tiles, 3], bf16 y [P, n_out]); n_out % bn == 0 and
+    K % 64 == 0."""
+
+    def __init__(self, tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
+        from cuda.core import Device, ObjectCode
+
+        from .nvrtc import compile_cuda
+        from .runtime import _driver, _ok
+
+        self.tiles = tiles
+        self.device = device if device is not None else Device()
+        self.device.set_current()
+        compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
+        self.kernel = ObjectCode.from_cubin(compiled.cubin).get_kernel(tiles.name)
+        drv = _driver()  # more than the 48 KB of dynamic shared memory a kernel gets unasked
+        _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     tiles.smem_bytes, self.kernel.handle, drv.CUdevice(int(self.device.device_id))),
+            "allowing the grouped GEMM its shared memory")
+
+    def __call__(self, x: int, tok: int, w: int, tile_table: int, y: int, n_tiles: int, n_out: int, k: int,
+                 stream: object = None) -> None:
+        from cuda.core import LaunchConfig, launch
+
+        from .runtime import _StreamRef, stream_handle
+
+        if n_out % self.tiles.bn or k % 64:
+            raise ValueError(f"grouped GEMM: n_out={n_out} must be a multiple of {self.tiles.bn}, K={k} of 64")
+        if n_tiles == 0:
+            return
+        cfg = LaunchConfig(grid=(n_out // self.tiles.bn, n_tiles), block=self.tiles.threads,
+                           shmem_size=self.tiles.smem_bytes)
+        launch(_StreamRef(stream_handle(stream)), cfg, self.kernel, np.uint64(x), np.uint64(tok), np.uint64(w),
+               np.uint64(tile_table), np.uint64(y), np.int32(n_out), np.int32(k))
+
+
+def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int, tiles: GemmTiles = GemmTiles(),
+                       replays: int = 20) -> dict[str, float]:
+    """One grouped GEMM (rows = tokens x top_k, uniformly routed) timed with CUDA events against
+    torch._grouped_mm on the same grouped rows and weights: microseconds and TFLOP/s of each.
+    Needs PyTorch with CUDA. Not a test: times are printed, never asserted."""
+    import torch
+
+    gemm = GroupedGemm(tiles)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(experts, n_out, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts, device="cuda").argsort(1)[:, :top_k].cpu().numpy()
+    tok, _, counts = group_by_expert(ids, experts)
+    table = tile_table(counts, tiles.bm)
+    tok_d, table_d = torch.from_numpy(tok).cuda(), torch.from_numpy(table.reshape(-1)).cuda()
+    y = torch.empty(len(tok), n_out, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def ours() -> None:
+        gemm(x.data_ptr(), tok_d.data_ptr(), w.data_ptr(), table_d.data_ptr(), y.data_ptr(), len(table), n_out, k,
+             stream=stream)
+
+    xs, wt = x[tok_d.long()], w.transpose(1, 2)  # torch._grouped_mm: rows grouped by offsets, B [E, K, N]
+    offs = torch.from_numpy(np.cumsum(counts)).to(torch.int32).cuda()
+
+    def theirs() -> None:
+        torch._grouped_mm(xs, wt, offs=offs)
+
+    def time_us(fn: object) -> float:
+        for _ in range(3):
+            fn()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) * 1e3 / replays
+
+    flop = 2.0 * len(tok) * n_out * k
+    out = {"moegen_us": time_us(ours)}
+    out["moegen_tflops"] = flop / out["moegen_us"] / 1e6
+    if hasattr(torch, "_grouped_mm"):
+        out["grouped_mm_us"] = time_us(theirs)
+        out["grouped_mm_tflops"] = flop / out["grouped_mm_us"] / 1e6
+    return out
+
+
+if __name__ == "__main__":  # python3 -m moegen.prefill: the grouped GEMM on Qwen3-30B-A3B's and Mixtral's gate/up shapes
+    for label, shape in (("qwen3-30b-a3b gate/up", (8192, 128, 8, 1536, 2048)),
+                         ("mixtral-8x7b gate/up", (8192, 8, 2, 28672, 4096))):
+        for t in (GemmTiles(), GemmTiles(bn=256, stages=3)):
+            r = bench_grouped_gemm(*shape, tiles=t)
+            print(f"{label:24s} {t.name:40s} " + "  ".join(f"{key}={v:.1f}" for key, v in r.items()))
