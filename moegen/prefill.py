@@ -12,6 +12,7 @@ plan's buckets stop at the decode path), so a layer's N stays within its spec's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -48,17 +49,52 @@ class GemmTiles:
     def name(self) -> str:
         return f"moe_grouped_gemm_bm{self.bm}_bn{self.bn}_s{self.stages}_bf16"
 
+    @property
+    def gate_up_name(self) -> str:
+        return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}_bf16"
 
-def render_grouped_gemm(t: GemmTiles) -> str:
-    """The CUDA source of one grouped-GEMM kernel (with the common header), for NVRTC."""
+    @property
+    def gate_up_smem_bytes(self) -> int:
+        """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments."""
+        return self.stages * (self.bn * 128 + self.threads // 32 * 8 * 512) + 1024
+
+
+# SiLU-gated experts (the activation rule of a plan, templates/act.cuh.j2)
+SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "ALPHA", "1.0f"),
+        ("bool", "SHARED_LIMIT", "false"), ("bool", "EXPERT_BIAS", "false"))
+
+
+def render_grouped_gemm(t: GemmTiles, act_rule: tuple[tuple[str, str, str], ...] = SILU) -> str:
+    """The CUDA source of the grouped-GEMM kernels of one tile shape (the common header and the
+    activation rule included), for NVRTC: the plain GEMM, and with bn <= 128 (two accumulator sets
+    in registers) the gate/up GEMM on packed weights."""
     n = t.bn // 2
     g = {
-        "name": t.name, "bm": t.bm, "bn": t.bn, "stages": t.stages, "threads": t.threads,
-        "acc_regs": ", ".join(f"%{i}" for i in range(n)),
+        "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
+        "threads": t.threads, "gate_up": t.bn <= 128, "acc_regs": ", ".join(f"%{i}" for i in range(n)),
         "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(n)),
     }
-    common = env().get_template("common.cuh.j2").render()
-    return common + "\n" + env().get_template("grouped_gemm.cu.j2").render(g=g)
+    parts = [env().get_template("common.cuh.j2").render(),
+             env().get_template("act.cuh.j2").render(plan=SimpleNamespace(act_rule=act_rule)),
+             env().get_template("grouped_gemm.cu.j2").render(g=g)]
+    return "\n".join(parts)
+
+
+def k_permutation() -> np.ndarray:
+    """[32] int: position q of a 32-wide K chunk of X' holds column perm[q] of X. It is the order
+    in which the GEMV tiles (moegen.weights.pack_tiles) put a row's K into the A fragments of
+    the chunk's two k-steps: k-step s, fragment position p (k 0-15 of the m16n8k16 step) holds
+    column 8*(p%8//2) + 4s + p%2 (+2 for p >= 8)."""
+    return np.array([8 * (p % 8 // 2) + 4 * s + p % 2 + (2 if p >= 8 else 0) for s in range(2) for p in range(16)])
+
+
+def permute_k(x: np.ndarray) -> np.ndarray:
+    """X' from X [..., K] (K a multiple of 32): every 32-wide chunk in k_permutation() order."""
+    k = x.shape[-1]
+    if k % 32:
+        raise ValueError(f"K={k} is not a multiple of 32")
+    idx = (np.arange(0, k, 32)[:, None] + k_permutation()[None, :]).reshape(-1)
+    return x[..., idx]
 
 
 def group_by_expert(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,11 +137,15 @@ class GroupedGemm:
         self.device = device if device is not None else Device()
         self.device.set_current()
         compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
-        self.kernel = ObjectCode.from_cubin(compiled.cubin).get_kernel(tiles.name)
+        module = ObjectCode.from_cubin(compiled.cubin)
+        self.kernel = module.get_kernel(tiles.name)
+        self.gate_up_kernel = module.get_kernel(tiles.gate_up_name) if tiles.bn <= 128 else None
         drv = _driver()  # more than the 48 KB of dynamic shared memory a kernel gets unasked
-        _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                     tiles.smem_bytes, self.kernel.handle, drv.CUdevice(int(self.device.device_id))),
-            "allowing the grouped GEMM its shared memory")
+        for kern, size in ((self.kernel, tiles.smem_bytes), (self.gate_up_kernel, tiles.gate_up_smem_bytes)):
+            if kern is not None:
+                _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             size, kern.handle, drv.CUdevice(int(self.device.device_id))),
+                    "allowing the grouped GEMM its shared memory")
 
     def __call__(self, x: int, tok: int, w: int, tile_table: int, y: int, n_tiles: int, n_out: int, k: int,
                  stream: object = None) -> None:
@@ -121,6 +161,25 @@ class GroupedGemm:
                            shmem_size=self.tiles.smem_bytes)
         launch(_StreamRef(stream_handle(stream)), cfg, self.kernel, np.uint64(x), np.uint64(tok), np.uint64(w),
                np.uint64(tile_table), np.uint64(y), np.int32(n_out), np.int32(k))
+
+    def gate_up(self, xp: int, tok: int, w13: int, tile_table: int, h: int, n_tiles: int, inter: int, k: int,
+                row_tiles: int, stream: object = None) -> None:
+        """h[p, i] = act(gate . x', up . x') for rows p of each tile: w13 the GEMV tiles of gate and
+        up ([E][row_tiles][K/32][2][2][32] 16-byte fragments), x' from permute_k, h [P, inter] bf16."""
+        from cuda.core import LaunchConfig, launch
+
+        from .runtime import _StreamRef, stream_handle
+
+        warps = self.tiles.threads // 32
+        if self.gate_up_kernel is None or row_tiles % warps or k % 64:
+            raise ValueError(f"gate/up GEMM: bn={self.tiles.bn} must be <= 128, row_tiles={row_tiles} a multiple "
+                             f"of {warps}, K={k} of 64")
+        if n_tiles == 0:
+            return
+        cfg = LaunchConfig(grid=(row_tiles // warps, n_tiles), block=self.tiles.threads,
+                           shmem_size=self.tiles.gate_up_smem_bytes)
+        launch(_StreamRef(stream_handle(stream)), cfg, self.gate_up_kernel, np.uint64(xp), np.uint64(tok),
+               np.uint64(w13), np.uint64(tile_table), np.uint64(h), np.int32(inter), np.int32(k), np.int32(row_tiles))
 
 
 def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int, tiles: GemmTiles = GemmTiles(),

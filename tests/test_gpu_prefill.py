@@ -4,6 +4,7 @@ first; a token's row the same bits in a smaller batch."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from test_gpu import _check_rows, _host
@@ -47,3 +48,35 @@ def test_grouped_gemm_matches_numpy(tiles):
     ids_flat = np.arange(40 * top_k)
     assert torch.equal(y2[torch.from_numpy(slot2[ids_flat]).long().cuda()].view(torch.int16),
                        y[torch.from_numpy(slot[ids_flat]).long().cuda()].view(torch.int16))
+
+
+@pytest.mark.parametrize("tiles", [GemmTiles(), GemmTiles(bm=64), GemmTiles(bn=64)], ids=lambda t: t.gate_up_name)
+def test_gate_up_on_packed_weights_matches_numpy(tiles):
+    """The prefill gate/up GEMM reads the decode path's packed tiles (register A) and X' (K
+    permuted as they are): silu(gate) * up per permuted row, rows past I not written."""
+    import torch
+
+    from moegen.prefill import permute_k
+    from moegen.weights import pack_tiles
+
+    e_count, inter, k, tokens = 5, 256, 320, 200
+    gemm = GroupedGemm(tiles)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((tokens, k)).astype(ml_dtypes.bfloat16)
+    gate, up = ((rng.standard_normal((e_count, inter, k)) / k**0.5).astype(ml_dtypes.bfloat16) for _ in range(2))
+    packed = pack_tiles([gate.view(np.uint16), up.view(np.uint16)], inter)  # [E, I/16, K/32, 2, 2, 32, 8]
+    ids = rng.integers(0, e_count - 1, (tokens, 2))
+    tok, _, counts = group_by_expert(ids, e_count)
+    table = tile_table(counts, tiles.bm)
+    dev = {n: torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if a.dtype == np.uint16 else a.dtype)).cuda()
+           for n, a in
+           (("xp", permute_k(x.view(np.uint16))), ("tok", tok), ("w", packed), ("tiles", table.reshape(-1)))}
+    h = torch.full((len(tok), inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.gate_up(dev["xp"].data_ptr(), dev["tok"].data_ptr(), dev["w"].data_ptr(), dev["tiles"].data_ptr(),
+                 h.data_ptr(), len(table), inter, k, inter // 16, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    experts = np.repeat(np.arange(e_count), counts)
+    xf = x.astype(np.float64)[tok]
+    g = np.einsum("pk,pik->pi", xf, gate.astype(np.float64)[experts])
+    u = np.einsum("pk,pik->pi", xf, up.astype(np.float64)[experts])
+    _check_rows(_host(h).astype(np.float64), g / (1.0 + np.exp(-g)) * u, tiles.gate_up_name)
