@@ -54,10 +54,21 @@ class GemmTiles:
         return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}_bf16"
 
     @property
+    def down_name(self) -> str:
+        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.stages}_bf16"
+
+    @property
+    def down_smem_bytes(self) -> int:
+        return self.stages * (self.bn * 128 + self.threads // 32 * 4 * 512) + 1024
+
+    @property
     def gate_up_smem_bytes(self) -> int:
         """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments."""
         return self.stages * (self.bn * 128 + self.threads // 32 * 8 * 512) + 1024
 
+
+DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
+MAX_EXPERTS = 512  # routed experts the grouping kernels handle (shared-memory tables)
 
 # SiLU-gated experts (the activation rule of a plan, templates/act.cuh.j2)
 SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "ALPHA", "1.0f"),
@@ -71,7 +82,10 @@ def render_grouped_gemm(t: GemmTiles, act_rule: tuple[tuple[str, str, str], ...]
     n = t.bn // 2
     g = {
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
-        "threads": t.threads, "gate_up": t.bn <= 128, "acc_regs": ", ".join(f"%{i}" for i in range(n)),
+        "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": DOWN_MATS,
+        "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
+        "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
+        "acc_regs": ", ".join(f"%{i}" for i in range(n)),
         "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(n)),
     }
     parts = [env().get_template("common.cuh.j2").render(),
@@ -235,3 +249,82 @@ if __name__ == "__main__":  # python3 -m moegen.prefill: the grouped GEMM on Qwe
         for t in (GemmTiles(), GemmTiles(bn=256, stages=3)):
             r = bench_grouped_gemm(*shape, tiles=t)
             print(f"{label:24s} {t.name:40s} " + "  ".join(f"{key}={v:.1f}" for key, v in r.items()))
+
+
+class PrefillExperts:
+    """The routed experts of a batch on the tensor cores, from the decode path's packed weights:
+    X' (permute), the stable grouping by expert (count, scan, place), the gate/up GEMM with the
+    activation, the down GEMM, and the weighted combine (zero experts add weight * x). Every
+    size is fixed by n; nothing waits on the device (the GEMMs' grids are sized for the most
+    tiles the routing can make, the extra blocks return)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, top_k: int, down_mats: int,
+                 tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
+        from cuda.core import Device, ObjectCode
+
+        from .nvrtc import compile_cuda
+        from .runtime import _driver, _ok
+
+        warps = tiles.threads // 32
+        if experts > MAX_EXPERTS or down_mats not in DOWN_MATS or tiles.bn > 128:
+            raise ValueError(f"prefill: experts={experts} (<= {MAX_EXPERTS}), down_mats={down_mats} "
+                             f"(one of {DOWN_MATS}), bn={tiles.bn} (<= 128)")
+        if inter % 64 or hidden % 64 or (inter // 16) % warps or (hidden // 16) % warps or (hidden // 16) % down_mats:
+            raise ValueError(f"prefill: I={inter} and H={hidden} must be multiples of 64 with whole blocks of "
+                             f"{warps} 16-row tiles")
+        self.e, self.h, self.i, self.k, self.tiles = experts, hidden, inter, top_k, tiles
+        self.device = device if device is not None else Device()
+        self.device.set_current()
+        compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
+        module = ObjectCode.from_cubin(compiled.cubin)
+        names = {"count": "moe_prefill_group_count", "scan": "moe_prefill_group_scan",
+                 "place": "moe_prefill_group_place", "combine": "moe_prefill_combine",
+                 "permute": "moe_prefill_permute", "gate_up": tiles.gate_up_name,
+                 "down": f"{tiles.down_name}_m{down_mats}"}
+        self.kern = {k: module.get_kernel(v) for k, v in names.items()}
+        drv = _driver()
+        for k, size in (("gate_up", tiles.gate_up_smem_bytes), ("down", tiles.down_smem_bytes)):
+            _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         size, self.kern[k].handle, drv.CUdevice(int(self.device.device_id))),
+                "allowing the prefill GEMMs their shared memory")
+
+    def workspace(self, n: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Buffer shapes and dtypes for n tokens."""
+        p = n * self.k
+        chunks = -(-p // 1024)
+        return {"xp": ((n, self.h), "bfloat16"), "counts": ((chunks * self.e,), "int32"),
+                "first": ((self.e + 1,), "int32"), "tiles": ((self.max_tiles(n) * 3,), "int32"),
+                "tok": ((p,), "int32"), "slot": ((p,), "int32"), "h": ((p, self.i), "bfloat16"),
+                "y": ((p, self.h), "float32")}
+
+    def max_tiles(self, n: int) -> int:
+        return -(-n * self.k // self.tiles.bm) + self.e
+
+    def __call__(self, n: int, x: int, ids: int, wts: int, w13: int, w2: int, out: int, ws: dict[str, int],
+                 stream: object = None) -> None:
+        """out [n, H] bf16 = sum_j wts[t, j] * expert_{ids[t, j]}(x[t]); x bf16 [n, H], ids int32 and
+        wts fp32 [n, top_k], w13 / w2 the packed GEMV tiles, ws the workspace() buffers' addresses."""
+        from cuda.core import LaunchConfig, launch
+
+        from .runtime import _StreamRef, stream_handle
+
+        s = _StreamRef(stream_handle(stream))
+        p, t = n * self.k, self.tiles
+        chunks, max_tiles, warps = -(-p // 1024), self.max_tiles(n), t.threads // 32
+        u64, i32 = np.uint64, np.int32
+
+        def go(kernel: str, grid: tuple[int, int], block: int, *args: object, smem: int = 0) -> None:
+            launch(s, LaunchConfig(grid=grid, block=block, shmem_size=smem), self.kern[kernel], *args)
+
+        go("permute", (-(-self.h // 512), n), 256, u64(x), u64(ws["xp"]), i32(self.h))
+        go("count", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), u64(ws["counts"]))
+        go("scan", (1, 1), 1024, u64(ws["counts"]), i32(chunks), i32(self.e), i32(t.bm), i32(max_tiles),
+           u64(ws["first"]), u64(ws["tiles"]))
+        go("place", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), i32(self.k), u64(ws["counts"]),
+           u64(ws["first"]), u64(ws["tok"]), u64(ws["slot"]))
+        go("gate_up", (self.i // 16 // warps, max_tiles), t.threads, u64(ws["xp"]), u64(ws["tok"]), u64(w13),
+           u64(ws["tiles"]), u64(ws["h"]), i32(self.i), i32(self.h), i32(self.i // 16), smem=t.gate_up_smem_bytes)
+        go("down", (self.h // 16 // warps, max_tiles), t.threads, u64(ws["h"]), u64(w2), u64(ws["tiles"]),
+           u64(ws["y"]), i32(self.h), i32(self.i), i32(self.h // 16), smem=t.down_smem_bytes)
+        go("combine", (-(-self.h // 1024), n), 256, u64(ws["y"]), u64(ws["slot"]), u64(wts), u64(x), u64(out),
+           i32(self.h), i32(self.k))
