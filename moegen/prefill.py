@@ -243,14 +243,6 @@ def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int
     return out
 
 
-if __name__ == "__main__":  # python3 -m moegen.prefill: the grouped GEMM on Qwen3-30B-A3B's and Mixtral's gate/up shapes
-    for label, shape in (("qwen3-30b-a3b gate/up", (8192, 128, 8, 1536, 2048)),
-                         ("mixtral-8x7b gate/up", (8192, 8, 2, 28672, 4096))):
-        for t in (GemmTiles(), GemmTiles(bn=256, stages=3)):
-            r = bench_grouped_gemm(*shape, tiles=t)
-            print(f"{label:24s} {t.name:40s} " + "  ".join(f"{key}={v:.1f}" for key, v in r.items()))
-
-
 class PrefillExperts:
     """The routed experts of a batch on the tensor cores, from the decode path's packed weights:
     X' (permute), the stable grouping by expert (count, scan, place), the gate/up GEMM with the
@@ -328,3 +320,92 @@ class PrefillExperts:
            u64(ws["y"]), i32(self.h), i32(self.i), i32(self.h // 16), smem=t.down_smem_bytes)
         go("combine", (-(-self.h // 1024), n), 256, u64(ws["y"]), u64(ws["slot"]), u64(wts), u64(x), u64(out),
            i32(self.h), i32(self.k))
+
+
+def bench_prefill(spec_path: str, tokens: list[int], tiles: GemmTiles = GemmTiles()) -> list[dict[str, float]]:
+    """The routed experts of a BF16 spec at prefill sizes: PrefillExperts on the layer's own
+    packed weights (loaded as `moegen bench` loads them) against torch._grouped_mm on the same
+    weights and routing (uniform random, distinct experts per token; routing itself not timed).
+    TFLOP/s count 2 * N * k * 3 * H * I. CUDA-event times of back-to-back calls; printed, not
+    asserted."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from .bench import _random_weights
+    from .build import render_all, write_dir
+    from .plan import make_plan
+    from .runtime import load
+    from .spec import load_spec
+
+    spec = load_spec(spec_path)
+    plan = make_plan(spec)
+    w13 = next(w for w in plan.weights if w.name == "w13")
+    w2 = next(w for w in plan.weights if w.name == "w2")
+    if w13.format != "bf16" or w2.format != "bf16":
+        raise ValueError(f"{spec.name}: the prefill GEMMs take BF16 experts (this spec's are {w13.format})")
+    out_dir = Path(tempfile.mkdtemp()) / spec.name
+    write_dir(out_dir, render_all(spec, plan))
+    weights = _random_weights(plan, np.random.default_rng(0))
+    layer = load(out_dir, weights)
+    e, h, i, k = plan.experts, plan.hidden, w13.rows, plan.top_k
+    pe = PrefillExperts(e, h, i, k, w2.mats, tiles)
+    w13_t = torch.cat([weights["experts.gate_proj"], weights["experts.up_proj"]], 1).transpose(1, 2).contiguous()
+    w2_t = weights["experts.down_proj"].transpose(1, 2).contiguous()  # [E, I, H]
+    stream = torch.cuda.current_stream().cuda_stream
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(n, e, device="cuda").argsort(1)[:, :k].to(torch.int32).contiguous()
+        wts = torch.rand(n, k, device="cuda", dtype=torch.float32)
+        ws = {name: torch.empty(shape, device="cuda", dtype=getattr(torch, dt)) for name, (shape, dt) in pe.workspace(n).items()}
+        out = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+        ptrs = {key: v.data_ptr() for key, v in ws.items()}
+
+        def ours(n=n, x=x, ids=ids, wts=wts, out=out, ptrs=ptrs) -> None:
+            pe(n, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), layer._weights.ptr("w13"), layer._weights.ptr("w2"),
+               out.data_ptr(), ptrs, stream=stream)
+
+        def theirs(x=x, ids=ids, wts=wts) -> None:
+            flat = ids.reshape(-1).long()
+            order = flat.argsort(stable=True)
+            offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
+            hh = torch._grouped_mm(x[order // k], w13_t, offs=offs)
+            act = torch.nn.functional.silu(hh[:, :i]) * hh[:, i:]
+            y = torch._grouped_mm(act, w2_t, offs=offs)
+            torch.zeros(x.shape, device="cuda", dtype=torch.float32).index_add_(
+                0, order // k, y.float() * wts.reshape(-1)[order, None])
+
+        flop = 2.0 * n * k * 3 * h * i
+        row = {"tokens": n, "us": _time_us(ours, torch)}
+        row["tflops"] = flop / row["us"] / 1e6
+        row["grouped_mm_us"] = _time_us(theirs, torch)
+        row["vs_grouped_mm"] = row["grouped_mm_us"] / row["us"]
+        rows.append(row)
+    layer.close()
+    return rows
+
+
+def _time_us(fn: object, torch: object, replays: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / replays
+
+
+if __name__ == "__main__":  # python3 -m moegen.prefill specs/<model>.yaml [N,...]: the prefill experts' speed
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python3 -m moegen.prefill specs/<model>.yaml [tokens,...]")
+    counts = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "512,2048,8192,16384").split(",")]
+    print(f"{sys.argv[1]}: routed experts on the tensor cores (wgmma), BF16, uniform routing")
+    for r in bench_prefill(sys.argv[1], counts):
+        print(f"{r['tokens']:>6} {r['us']:>10.1f} us {r['tflops']:>7.1f} TFLOP/s   torch._grouped_mm "
+              f"{r['grouped_mm_us']:>10.1f} us  (x{r['vs_grouped_mm']:.2f})")

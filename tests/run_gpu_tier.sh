@@ -11,6 +11,7 @@
 #   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B: BF16, MXFP4, FP8)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
+#   bash tests/run_gpu_tier.sh prefill    the prefill kernels (wgmma grouped GEMMs) against NumPy, and their speed
 #   bash tests/run_gpu_tier.sh tune       moegen tune of Qwen3-30B-A3B (warps, down tiles, prefetch, router split)
 # Each of the other modes is meant to fit one 10-minute device call (the tier in thirds: tier1of3 ..).
 set -uo pipefail
@@ -33,6 +34,13 @@ if [ "$mode" = profile ]; then
       python3 -W ignore tests/gpu_sanitize.py qwen3-30b-a3b:1 qwen3-30b-a3b-mxfp4:1 qwen3-30b-a3b-fp8:1 >"$out/ncu.txt" 2>&1
   grep -E "^  moe_|Duration|DRAM Throughput|Achieved Occupancy|Waves Per SM" "$out/ncu.txt"
   exit 0
+fi
+if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, then their speed against torch._grouped_mm
+  run gpu-prefill pytest_gpu tests/test_gpu_prefill.py
+  for s in qwen3-30b-a3b mixtral-8x7b; do
+    run "prefill-$s" python3 -W ignore -m moegen.prefill "specs/$s.yaml" 512,2048,8192,16384
+    cat "$out/prefill-$s.log"
+  done
 fi
 if [ "$mode" = tune ]; then
   for s in qwen3-30b-a3b; do  # 18 variants: one spec fits a 10-minute call
