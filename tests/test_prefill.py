@@ -86,3 +86,79 @@ def test_permuted_k_rows_meet_the_packed_fragments():
     assert sorted(k_permutation()) == list(range(32))
     with pytest.raises(ValueError, match="multiple of 32"):
         permute_k(np.zeros(40))
+
+
+def _group_kernels(ids: np.ndarray, experts: int, top_k: int, bm: int, max_tiles: int):
+    """templates/grouped_gemm.cu.j2's count, scan and place kernels, step for step: 1024-entry
+    chunks, warps of 32 with __match_any_sync ranks, per-warp counts, zero experts skipped."""
+    flat = ids.reshape(-1)
+    p = flat.size
+    chunks = -(-p // 1024)
+    counts = np.zeros((chunks, experts), np.int64)
+    for i, e in enumerate(flat):  # count
+        if e < experts:
+            counts[i // 1024, e] += 1
+    total = counts.sum(0)
+    counts = np.cumsum(counts, 0) - counts  # scan: each chunk's offset within its expert
+    first = np.concatenate([[0], np.cumsum(total)])
+    tiles = np.zeros((max_tiles, 3), np.int64)
+    t = 0
+    for e in range(experts):
+        for r in range(0, int(total[e]), bm):
+            tiles[t] = (e, first[e] + r, min(bm, total[e] - r))
+            t += 1
+    tok, slot = np.full(p, -7), np.full(p, -7)
+    for b in range(chunks):  # place
+        ent = [flat[i] if i < p else -1 for i in range(b * 1024, b * 1024 + 1024)]
+        wcnt = np.zeros((32, experts), np.int64)
+        for w in range(32):
+            lanes = ent[w * 32:(w + 1) * 32]
+            for e in set(lanes):
+                if 0 <= e < experts:
+                    wcnt[w, e] = lanes.count(e)
+        for j, e in enumerate(ent):
+            i = b * 1024 + j
+            if i >= p:
+                continue
+            if e >= experts:
+                slot[i] = -1
+                continue
+            w, lane = divmod(j, 32)
+            before = ent[w * 32: w * 32 + lane].count(e)
+            row = first[e] + counts[b, e] + before + wcnt[:w, e].sum()
+            tok[row], slot[i] = i // top_k, row
+    return tok, slot, tiles, first
+
+
+def test_grouping_kernels_agree_with_the_stable_sort():
+    """The device grouping (its transcription) equals group_by_expert and tile_table, across
+    several 1024-entry chunks, with zero-expert ids left out and unused tiles zeroed."""
+    rng = np.random.default_rng()
+    n, k, e = 700, 4, 11
+    ids = rng.integers(0, e, (n, k))
+    ids[:300, 0] = 3  # one expert across chunks
+    ids[::13, 2] = e + 2  # zero experts
+    tok, slot, tiles, first = _group_kernels(ids, e, k, 128, -(-n * k // 128) + e)
+    routed = ids < e
+    want_tok, _, counts = group_by_expert(np.where(routed, ids, e), e + 1)  # zero experts sort last
+    rows = int(counts[:e].sum())
+    assert first[-1] == rows and np.array_equal(tok[:rows], want_tok[:rows])
+    assert (slot.reshape(n, k)[~routed] == -1).all()
+    flat_slot = slot.reshape(n, k)
+    for t in range(n):
+        for j in range(k):
+            if routed[t, j]:
+                assert tok[flat_slot[t, j]] == t
+    want_tiles = tile_table(counts[:e], 128)
+    assert np.array_equal(tiles[:len(want_tiles)], want_tiles) and not tiles[len(want_tiles):].any()
+
+
+def test_gate_up_writes_h_in_the_permuted_order():
+    """The gate/up epilogue's column -> position formula is the inverse of k_permutation."""
+    perm = k_permutation()
+    for c in range(32):
+        at = 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1)  # as in the template
+        assert perm[at] == c
+    for at in range(0, 32, 2):  # and the permute kernel's position -> column, for even positions
+        s, q, tt = at >> 4, (at >> 3) & 1, (at >> 1) & 3
+        assert perm[at] == 8 * tt + 4 * s + 2 * q
