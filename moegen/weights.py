@@ -38,8 +38,11 @@ def bf16_bits(a: np.ndarray, name: str) -> np.ndarray:
     raise WeightError(f"{name}: dtype {a.dtype} is not a floating type (expected bfloat16)")
 
 
-def pack_tiles(mats: Sequence[np.ndarray], rows_padded: int) -> np.ndarray:
-    """Pack MATS matrices [..., R, K] (bf16 bits) into the tile layout; rows padded with zeros."""
+def pack_tiles(mats: Sequence[np.ndarray], rows_padded: int, fp8: bool = False) -> np.ndarray:
+    """Pack MATS matrices [..., R, K] (bf16 bits) into the tile layout; rows padded with zeros.
+    fp8: one-byte codes in the FP8 layout instead, in the same single copy: each lane's two
+    k-steps side by side ([..., T, KC, MATS, 32 lanes, 2, 8]) and each 4-byte word's middle
+    elements swapped (FP8_WORD_ORDER)."""
     lead = mats[0].shape[:-2]
     r, k = mats[0].shape[-2:]
     if k % 32 or rows_padded % 16 or rows_padded < r:
@@ -54,8 +57,12 @@ def pack_tiles(mats: Sequence[np.ndarray], rows_padded: int) -> np.ndarray:
         p = p.reshape(*lead, rows_padded // 16, 2, 8, k // 32, 4, 2, 2, 2)
         nl = len(lead)
         tile, h, g, chunk, t, s, q, jj = range(nl, nl + 8)
-        p = p.transpose(*range(nl), tile, chunk, s, g, t, q, h, jj)
-        packed.append(p.reshape(*lead, rows_padded // 16, k // 32, 2, 32, 8))
+        if fp8:  # lanes before k-steps; within a word h after jj: e0, e2, e1, e3
+            p = p.transpose(*range(nl), tile, chunk, g, t, s, q, jj, h)
+            packed.append(p.reshape(*lead, rows_padded // 16, k // 32, 32, 2, 8))
+        else:
+            p = p.transpose(*range(nl), tile, chunk, s, g, t, q, h, jj)
+            packed.append(p.reshape(*lead, rows_padded // 16, k // 32, 2, 32, 8))
     out = np.stack(packed, axis=len(lead) + 2)  # [..., T, KC, MATS, 2, 32, 8]
     return np.ascontiguousarray(out)
 
@@ -170,7 +177,7 @@ def packed_nbytes(pw: PackedWeight) -> int:
     return per_matrix if pw.interleaved else per_matrix * pw.mats
 
 
-def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray:
+def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray], fp8: bool = False) -> np.ndarray:
     if pw.interleaved:  # the MATS matrices of a group are its consecutive 16-row tiles
         w = sources[pw.sources[0]]
         lead, (r, k) = w.shape[:-2], w.shape[-2:]
@@ -178,10 +185,10 @@ def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> np.ndarray
         p[..., :r, :] = w
         p = p.reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, k)
         mats = [p[..., m, :, :].reshape(*lead, pw.rows_padded // pw.mats, k) for m in range(pw.mats)]
-        return pack_tiles(mats, pw.rows_padded // pw.mats)
+        return pack_tiles(mats, pw.rows_padded // pw.mats, fp8)
     if pw.mats == 1 and len(pw.sources) > 1:  # e.g. router rows then the shared-expert gate row
-        return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded)
-    return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded)
+        return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded, fp8)
+    return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded, fp8)
 
 
 # Byte order of an FP8 fragment word: elements e0, e2, e1, e3 (the kernels' e4m3x4_to_bf16x4
@@ -197,8 +204,7 @@ def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
     for name, c in codes.items():
         if ((np.asarray(c).view(np.uint8) & 0x7F) == 0x7F).any():
             raise WeightError(f"{name}: e4m3 NaN codes (0x7F, 0xFF); FP8 weights must be finite")
-    p = _pack_one(pw, codes)[..., FP8_WORD_ORDER]  # [..., T, KC, MATS, 2 k-steps, 32 lanes, 8]
-    return np.ascontiguousarray(np.swapaxes(p, -3, -2))  # [..., T, KC, MATS, 32 lanes, 2, 8]
+    return _pack_one(pw, codes, fp8=True)  # [..., T, KC, MATS, 32 lanes, 2 k-steps, 8]
 
 
 def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
