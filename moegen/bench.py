@@ -1,8 +1,9 @@
 """moegen bench: whole-layer time per token count against the memory roofline, on this GPU.
 
 Method (DESIGN.md): the device bandwidth is measured in the same run (a large device-to-device
-copy, bytes read + written over time). A CUDA graph holds L >= 4 layers with distinct weights,
-so no layer's weights sit in L2 from the previous one; the median of many replays over L is the
+copy, bytes read + written over time). A CUDA graph holds L >= 4 layers whose weights lie at
+distinct addresses (the first layer's random weights, copied on the device; with --compare each
+layer draws its own), so no layer's weights sit in L2 from the previous one; the median of many replays over L is the
 time per layer. The floor is the bytes that must be read: the distinct experts the routing hit,
 the router, the shared expert, and the activations in and out.
 """
@@ -201,7 +202,12 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     compare = compare and _can_compare(spec)
     layers = _layer_count(plan, layers, device)
     weights, stack = [], []
-    for _ in range(layers):  # one layer's random weights at a time: the largest specs fill the device
+    for i in range(layers):  # one layer's random weights at a time: the largest specs fill the device
+        if i and not compare:  # the first layer's packed weights, copied on the device (no host packing)
+            stack.append(load(gen, device=device))
+            stack[-1].load_weights_from(stack[0])
+            weights.append(None)
+            continue
         w = _random_weights(plan, rng)
         stack.append(load(gen, w, device=device))
         weights.append(w if compare else None)

@@ -230,6 +230,28 @@ class Layer:
             self._weights.close()
         self._weights = packed
 
+    def load_weights_from(self, other: Layer) -> None:
+        """This layer's weights: a device copy of another loaded layer's packed weights (the same
+        plan), with no host work. moegen bench stacks layers this way: the same values at other
+        addresses keep each layer's weights out of L2 as well as new values would."""
+        if other.plan != self.plan:
+            raise ValueError("load_weights_from: the other layer was generated from another plan")
+        if other._weights is None:
+            raise RuntimeError("load_weights_from: the other layer has no weights loaded")
+        self.device.set_current()
+        src = other._weights
+        packed = Memory(self.device, {})
+        packed.base = int(_ok(_driver().cuMemAlloc(src.size), f"allocating {src.size} bytes"))
+        packed.size, packed.offsets = src.size, dict(src.offsets)
+        try:
+            _ok(_driver().cuMemcpyDtoD(packed.base, src.base, src.size), "copying the packed weights")
+        except BaseException:
+            packed.close()
+            raise
+        if self._weights is not None:
+            self._weights.close()
+        self._weights = packed
+
     def _pack_on_host(self, pw: Any, pieces: Mapping[str, list[tuple[str, Any]]]) -> tuple[np.ndarray, np.ndarray]:
         """Quantized weights, packed with NumPy: FP8 e4m3 codes in the tile layout with their fp32
         block scales, or (per-tensor) each matrix's weight and input scale; MXFP4 and NVFP4 e2m1

@@ -66,6 +66,9 @@ def test_bench_vs_times_both_specs_in_one_run(monkeypatch, tmp_path, capsys):
         def routing(self, n):
             return np.arange(n * self.plan.top_k).reshape(n, -1) % self.plan.experts, None
 
+        def load_weights_from(self, other):  # the bench's later layers copy the first one's weights
+            assert other.plan is self.plan
+
         def close(self):
             pass
 
@@ -79,7 +82,7 @@ def test_bench_vs_times_both_specs_in_one_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_random_x", lambda plan, n, rng: n)
     plans = {}
 
-    def fake_load(gen, w, device=None):
+    def fake_load(gen, w=None, device=None):
         plan = plans.setdefault(gen.name, bench.tuned_plan(bench.load_spec(f"specs/{gen.name}.yaml"), "generated"))
         return FakeLayer(plan)
 

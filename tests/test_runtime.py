@@ -277,3 +277,24 @@ def test_fp8_tensor_scales_must_be_positive(fake_cuda):
     with pytest.raises(WeightError, match="experts.up_proj_scale / experts.up_proj_input_scale: expected finite positive"):
         layer.load_weights(w)
     assert not drv.copies
+
+
+def test_weights_copied_from_another_layer(fake_cuda):
+    """load_weights_from: one device-to-device copy of the other layer's packed weights into an
+    allocation of this layer's own, the same offsets; refused across plans or without weights."""
+    drv, _ = fake_cuda
+    plan = make_plan(SPECS[0][1])
+    a, b = _layer(plan), _layer(plan)
+    with pytest.raises(RuntimeError, match="no weights"):
+        b.load_weights_from(a)
+    a.load_weights(_host_weights(plan))
+    drv.copies.clear()
+    b.load_weights_from(a)
+    assert drv.copies == [("dtod", b._weights.base, a._weights.size)]
+    assert b._weights.base != a._weights.base and b._weights.offsets == a._weights.offsets
+    other = _layer(make_plan(SPECS[1][1]))
+    with pytest.raises(ValueError, match="another plan"):
+        other.load_weights_from(a)
+    for layer in (a, b, other):
+        layer.close()
+    assert drv.live == {}
