@@ -3,6 +3,7 @@
 # go under ${OUT:-gpu-logs}; with OUT set they end as one archive, logs.tgz. A short summary last.
 #   bash tests/run_gpu_tier.sh            everything (longer than one 10-minute device call: use the modes)
 #   bash tests/run_gpu_tier.sh tier       the catalog against the reference (MOEGEN_TIER_SPECS=a,b: a part)
+#   bash tests/run_gpu_tier.sh verify     features, prefill kernels, EP across GPUs, then the quantized specs (a budget)
 #   bash tests/run_gpu_tier.sh tierq      the tier as a queue over every GPU here, largest specs first (MOEGEN_TIER_BUDGET s)
 #   bash tests/run_gpu_tier.sh tier1      half of it (every other spec); tier2 the rest; tier1of3 .. tier3of3 thirds
 #   bash tests/run_gpu_tier.sh checks     the feature (rules, FP4 and FP8 modes), expert-parallel and oracle tests
@@ -35,6 +36,60 @@ if [ "$mode" = profile ]; then
   grep -E "^  moe_|Duration|DRAM Throughput|Achieved Occupancy|Waves Per SM" "$out/ncu.txt"
   exit 0
 fi
+tierq_run() {  # budget in seconds, comma list of specs (empty: the catalog)
+  # the specs as a queue, largest layers first, one worker per GPU; each spec its own pytest on
+  # its GPU; nothing new starts within 60 s of the end of the budget
+  end=$(( $(date +%s) + $1 ))
+  q="$out/queue.txt"
+  : >>"$out/tierq.txt"
+  QSPECS="$2" python3 - "$q" <<'PY'
+import os, sys
+from pathlib import Path
+from moegen.bench import weight_bytes
+from moegen.plan import make_plan
+from moegen.spec import load_spec
+keep = set(filter(None, os.environ.get("QSPECS", "").split(",")))
+specs = [p for p in sorted(Path("specs").glob("*.yaml")) if not keep or p.stem in keep]
+specs.sort(key=lambda p: -weight_bytes(make_plan(load_spec(p))))
+Path(sys.argv[1]).write_text("".join(p.stem + "\n" for p in specs))
+PY
+  worker() {  # GPU index
+    while :; do
+      left=$((end - $(date +%s))); [ "$left" -lt 60 ] && break
+      s=$(flock "$q.lock" sh -c "head -1 '$q'; sed -i 1d '$q'")
+      [ -z "$s" ] && break
+      CUDA_VISIBLE_DEVICES=$1 MOEGEN_TIER_SPECS=$s timeout "$left" python3 -m pytest -v -rfE --tb=short \
+        -W ignore::DeprecationWarning -p no:cacheprovider -m gpu tests/test_gpu.py >"$out/tier-$s.log" 2>&1
+      echo "gpu$1 $s rc=$? $(tail -1 "$out/tier-$s.log")" >>"$out/tierq.txt"
+    done
+  }
+  ngpu=$(nvidia-smi -L | wc -l)
+  for g in $(seq 0 $((ngpu - 1))); do worker "$g" & done
+  wait
+  cat "$out/tierq.txt"; echo "not run: $(tr '\n' ' ' <"$q")"
+  summary+=("tierq: $(grep -c 'rc=0' "$out/tierq.txt") specs passed, $(grep -vc 'rc=0' "$out/tierq.txt") failed or stopped")
+}
+if [ "$mode" = verify ]; then
+  # what changed since the last GPU run, each step within what is left of MOEGEN_TIER_BUDGET
+  # seconds: the feature rules (FP8 planted codes among them), the prefill kernels, expert
+  # parallelism across the GPUs here, then the quantized catalog specs as a queue over the GPUs
+  vend=$(( $(date +%s) + ${MOEGEN_TIER_BUDGET:-540} ))
+  bounded() {  # name, seconds at most, command...
+    local name=$1 lim=$2; shift 2
+    local left=$((vend - $(date +%s) - 30)); [ "$lim" -gt "$left" ] && lim=$left
+    [ "$lim" -lt 20 ] && { summary+=("$name: not run (no time left)"); return; }
+    run "$name" timeout "$lim" "$@"
+  }
+  bounded gpu-features 150 python3 -m pytest -v -rfE --tb=short -W ignore::DeprecationWarning -m gpu tests/test_gpu_features.py
+  bounded gpu-prefill 120 python3 -m pytest -v -rfE --tb=short -W ignore::DeprecationWarning -m gpu tests/test_gpu_prefill.py
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    bounded gpu-ep 240 python3 -m pytest -v -s -rfE --tb=short -W ignore::DeprecationWarning -m gpu tests/test_gpu_ep.py -k several
+  fi
+  left=$((vend - $(date +%s) - 20))
+  if [ "$left" -gt 90 ]; then
+    tierq_run "$left" "$(ls specs | sed -n 's/\.yaml$//p' | grep -E 'fp8|fp4' | paste -sd,)"
+  fi
+fi
 if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, then their speed against torch._grouped_mm
   run gpu-prefill pytest_gpu tests/test_gpu_prefill.py
   for s in qwen3-30b-a3b mixtral-8x7b; do
@@ -61,36 +116,7 @@ if [ "$mode" = tier1 ] || [ "$mode" = tier2 ]; then
   MOEGEN_TIER_PART="${mode#tier}" run "gpu-$mode" pytest_gpu tests/test_gpu.py
 fi
 if [ "$mode" = tierq ]; then
-  # the catalog (or MOEGEN_TIER_SPECS) as a queue, largest layers first, one worker per GPU; each
-  # spec its own pytest on its GPU; nothing new starts within 60 s of MOEGEN_TIER_BUDGET (seconds)
-  end=$(( $(date +%s) + ${MOEGEN_TIER_BUDGET:-540} ))
-  q="$out/queue.txt"
-  python3 - "$q" <<'PY'
-import os, sys
-from pathlib import Path
-from moegen.bench import weight_bytes
-from moegen.plan import make_plan
-from moegen.spec import load_spec
-keep = set(filter(None, os.environ.get("MOEGEN_TIER_SPECS", "").split(",")))
-specs = [p for p in sorted(Path("specs").glob("*.yaml")) if not keep or p.stem in keep]
-specs.sort(key=lambda p: -weight_bytes(make_plan(load_spec(p))))
-Path(sys.argv[1]).write_text("".join(p.stem + "\n" for p in specs))
-PY
-  worker() {  # GPU index
-    while :; do
-      left=$((end - $(date +%s))); [ "$left" -lt 60 ] && break
-      s=$(flock "$q.lock" sh -c "head -1 '$q'; sed -i 1d '$q'")
-      [ -z "$s" ] && break
-      CUDA_VISIBLE_DEVICES=$1 MOEGEN_TIER_SPECS=$s timeout "$left" python3 -m pytest -v -rfE --tb=short \
-        -W ignore::DeprecationWarning -p no:cacheprovider -m gpu tests/test_gpu.py >"$out/tier-$s.log" 2>&1
-      echo "gpu$1 $s rc=$? $(tail -1 "$out/tier-$s.log")" >>"$out/tierq.txt"
-    done
-  }
-  ngpu=$(nvidia-smi -L | wc -l)
-  for g in $(seq 0 $((ngpu - 1))); do worker "$g" & done
-  wait
-  cat "$out/tierq.txt"; echo "not run: $(tr '\n' ' ' <"$q")"
-  summary+=("tierq: $(grep -c 'rc=0' "$out/tierq.txt") specs passed, $(grep -vc 'rc=0' "$out/tierq.txt") failed or stopped")
+  tierq_run "${MOEGEN_TIER_BUDGET:-540}" "${MOEGEN_TIER_SPECS:-}"
 fi
 case "$mode" in tier[1-9]of[1-9])  # e.g. tier1of3: every third spec from the first
   part="${mode#tier}"; MOEGEN_TIER_PART="${part%of*}/${part#*of}" run "gpu-$mode" pytest_gpu tests/test_gpu.py ;;
