@@ -31,7 +31,9 @@ Conventions
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -387,18 +389,27 @@ def _expert(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(x)
-    for e in np.unique(ids):
+# Experts computed at once by the routed sum (threads: NumPy releases the GIL in its array work;
+# a large quantized layer dequantizes one expert per thread). The sum itself runs in expert order.
+THREADS = min(8, os.cpu_count() or 1)
+
+
+def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np.ndarray,
+            threads: int | None = None) -> np.ndarray:
+    def one(e: int) -> tuple[np.ndarray, np.ndarray]:
         rows, slots = np.nonzero(ids == e)  # a token may list an expert twice (hash tables)
         w = rw[rows, slots][:, None]
         if e >= spec.experts.count:
-            y = w * x[rows]  # zero (identity) expert: no GEMM
-        elif spec.routing.weight_on_input:
-            y = _expert(spec, weights, int(e), w * x[rows])  # Llama-4: not multiplied again
-        else:
-            y = w * _expert(spec, weights, int(e), x[rows])
-        np.add.at(out, rows, y)
+            return rows, w * x[rows]  # zero (identity) expert: no GEMM
+        if spec.routing.weight_on_input:
+            return rows, _expert(spec, weights, e, w * x[rows])  # Llama-4: not multiplied again
+        return rows, w * _expert(spec, weights, e, x[rows])
+
+    out = np.zeros_like(x)
+    experts = [int(e) for e in np.unique(ids)]
+    with ThreadPoolExecutor(max_workers=max(1, threads or THREADS)) as pool:
+        for rows, y in pool.map(one, experts):  # in expert order, whatever finishes first
+            np.add.at(out, rows, y)
     return out
 
 

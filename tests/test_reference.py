@@ -693,3 +693,21 @@ def test_missing_or_misshaped_weight_is_named():
     w["experts.down_proj"] = w["experts.down_proj"][:, :, :8]
     with pytest.raises(ValueError, match="experts.down_proj"):
         ref.moe_forward(spec, x, w)
+
+
+def test_routed_sum_is_the_same_on_threads():
+    """The reference computes experts on threads and sums them in expert order: the same bits
+    as one thread."""
+    rng = np.random.default_rng()
+    spec = parse_spec({"name": "t", "model": "t", "hidden_size": 64,
+                       "experts": {"count": 12, "top_k": 3, "intermediate_size": 32}}, check_generated=False)
+    w = {"experts.gate_proj": rng.standard_normal((12, 32, 64)), "experts.up_proj": rng.standard_normal((12, 32, 64)),
+         "experts.down_proj": rng.standard_normal((12, 64, 32))}
+    x = rng.standard_normal((40, 64))
+    ids = np.stack([rng.permutation(12)[:3] for _ in range(40)])
+    rw = rng.random((40, 3))
+    one = ref._routed(spec, x, w, ids, rw, threads=1)
+    assert np.array_equal(ref._routed(spec, x, w, ids, rw, threads=5), one)
+    want = sum(rw[:, j, None] * np.stack([ref._expert(spec, w, int(ids[t, j]), x[t:t + 1])[0] for t in range(40)])
+               for j in range(3))
+    assert np.allclose(one, want, rtol=1e-12, atol=1e-12)
