@@ -135,6 +135,28 @@ def tile_table(counts: np.ndarray, bm: int) -> np.ndarray:
     return np.array(rows, np.int32).reshape(-1, 3)
 
 
+def _load(tiles: GemmTiles, arch: str, device: object) -> tuple[object, object]:
+    """(device, module): the kernels of `tiles` compiled (NVRTC, cached) and loaded on device."""
+    from cuda.core import Device, ObjectCode
+
+    from .nvrtc import compile_cuda
+
+    device = device if device is not None else Device()
+    device.set_current()
+    compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
+    return device, ObjectCode.from_cubin(compiled.cubin)
+
+
+def _allow_smem(kernel: object, size: int, device: object) -> None:
+    """Let `kernel` have `size` bytes of dynamic shared memory (more than the 48 KB it gets unasked)."""
+    from .runtime import _driver, _ok
+
+    drv = _driver()
+    _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size,
+                                 kernel.handle, drv.CUdevice(int(device.device_id))),
+        "allowing a prefill kernel its shared memory")
+
+
 class GroupedGemm:
     """One compiled grouped-GEMM kernel on a device: y[p, :] = x[tok[p], :] @ w[e].T for the
     rows p of each tile (expert e). Pointers are raw device addresses (bf16 x [T, K], int32 tok
@@ -142,24 +164,13 @@ class GroupedGemm:
     K % 64 == 0."""
 
     def __init__(self, tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
-        from cuda.core import Device, ObjectCode
-
-        from .nvrtc import compile_cuda
-        from .runtime import _driver, _ok
-
         self.tiles = tiles
-        self.device = device if device is not None else Device()
-        self.device.set_current()
-        compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
-        module = ObjectCode.from_cubin(compiled.cubin)
+        self.device, module = _load(tiles, arch, device)
         self.kernel = module.get_kernel(tiles.name)
         self.gate_up_kernel = module.get_kernel(tiles.gate_up_name) if tiles.bn <= 128 else None
-        drv = _driver()  # more than the 48 KB of dynamic shared memory a kernel gets unasked
         for kern, size in ((self.kernel, tiles.smem_bytes), (self.gate_up_kernel, tiles.gate_up_smem_bytes)):
             if kern is not None:
-                _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                             size, kern.handle, drv.CUdevice(int(self.device.device_id))),
-                    "allowing the grouped GEMM its shared memory")
+                _allow_smem(kern, size, self.device)
 
     def __call__(self, x: int, tok: int, w: int, tile_table: int, y: int, n_tiles: int, n_out: int, k: int,
                  stream: object = None) -> None:
@@ -223,22 +234,11 @@ def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int
     def theirs() -> None:
         torch._grouped_mm(xs, wt, offs=offs)
 
-    def time_us(fn: object) -> float:
-        for _ in range(3):
-            fn()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) * 1e3 / replays
-
     flop = 2.0 * len(tok) * n_out * k
-    out = {"moegen_us": time_us(ours)}
+    out = {"moegen_us": _time_us(ours, torch, replays)}
     out["moegen_tflops"] = flop / out["moegen_us"] / 1e6
     if hasattr(torch, "_grouped_mm"):
-        out["grouped_mm_us"] = time_us(theirs)
+        out["grouped_mm_us"] = _time_us(theirs, torch, replays)
         out["grouped_mm_tflops"] = flop / out["grouped_mm_us"] / 1e6
     return out
 
@@ -252,11 +252,6 @@ class PrefillExperts:
 
     def __init__(self, experts: int, hidden: int, inter: int, top_k: int, down_mats: int,
                  tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
-        from cuda.core import Device, ObjectCode
-
-        from .nvrtc import compile_cuda
-        from .runtime import _driver, _ok
-
         warps = tiles.threads // 32
         if experts > MAX_EXPERTS or down_mats not in DOWN_MATS or tiles.bn > 128:
             raise ValueError(f"prefill: experts={experts} (<= {MAX_EXPERTS}), down_mats={down_mats} "
@@ -265,20 +260,14 @@ class PrefillExperts:
             raise ValueError(f"prefill: I={inter} and H={hidden} must be multiples of 64 with whole blocks of "
                              f"{warps} 16-row tiles")
         self.e, self.h, self.i, self.k, self.tiles = experts, hidden, inter, top_k, tiles
-        self.device = device if device is not None else Device()
-        self.device.set_current()
-        compiled = compile_cuda(render_grouped_gemm(tiles), arch, display="grouped_gemm.cu")
-        module = ObjectCode.from_cubin(compiled.cubin)
+        self.device, module = _load(tiles, arch, device)
         names = {"count": "moe_prefill_group_count", "scan": "moe_prefill_group_scan",
                  "place": "moe_prefill_group_place", "combine": "moe_prefill_combine",
                  "permute": "moe_prefill_permute", "gate_up": tiles.gate_up_name,
                  "down": f"{tiles.down_name}_m{down_mats}"}
         self.kern = {k: module.get_kernel(v) for k, v in names.items()}
-        drv = _driver()
         for k, size in (("gate_up", tiles.gate_up_smem_bytes), ("down", tiles.down_smem_bytes)):
-            _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         size, self.kern[k].handle, drv.CUdevice(int(self.device.device_id))),
-                "allowing the prefill GEMMs their shared memory")
+            _allow_smem(self.kern[k], size, self.device)
 
     def workspace(self, n: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Buffer shapes and dtypes for n tokens."""

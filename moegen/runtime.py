@@ -83,6 +83,18 @@ class Memory:
     def ptr(self, name: str) -> int:
         return self.base + self.offsets[name]
 
+    def copy(self) -> Memory:
+        """A new allocation of the same buffers, its contents copied on the device."""
+        new = Memory(None, {})
+        new.base = int(_ok(_driver().cuMemAlloc(self.size), f"allocating {self.size} bytes"))
+        new.size, new.offsets = self.size, dict(self.offsets)
+        try:
+            _ok(_driver().cuMemcpyDtoD(new.base, self.base, self.size), "copying device memory")
+        except BaseException:
+            new.close()
+            raise
+        return new
+
 
 def _check_hash_table(table: np.ndarray, experts: int) -> None:
     """tid2eid [vocab, k]: every row k distinct experts in [0, E) (the kernels index with them)."""
@@ -239,15 +251,7 @@ class Layer:
         if other._weights is None:
             raise RuntimeError("load_weights_from: the other layer has no weights loaded")
         self.device.set_current()
-        src = other._weights
-        packed = Memory(self.device, {})
-        packed.base = int(_ok(_driver().cuMemAlloc(src.size), f"allocating {src.size} bytes"))
-        packed.size, packed.offsets = src.size, dict(src.offsets)
-        try:
-            _ok(_driver().cuMemcpyDtoD(packed.base, src.base, src.size), "copying the packed weights")
-        except BaseException:
-            packed.close()
-            raise
+        packed = other._weights.copy()
         if self._weights is not None:
             self._weights.close()
         self._weights = packed
