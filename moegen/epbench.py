@@ -126,3 +126,71 @@ def run_ep_bench(spec_path: str, world: int, tokens: list[int] | None = None, js
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str, port: int, watchdog: float) -> None:
+    """One rank of run_ep_check: its share of the experts with an NCCL all-reduce on a created
+    stream, eager and in a CUDA graph; rank 0 also runs the whole layer on its GPU. A rank still
+    running after `watchdog` seconds prints its stack and exits (a failure, not a hang)."""
+    import faulthandler
+    import os
+
+    faulthandler.dump_traceback_later(watchdog, exit=True)
+    import torch
+    import torch.distributed as dist
+    from cuda.core import Device
+
+    from .bench import _random_weights
+    from .parallel import torch_allreduce
+    from .runtime import load
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    stream = torch.cuda.Stream()
+    torch.cuda.set_stream(stream)
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    full_plan = make_plan(parse_spec(body, check_generated=False))
+    weights = _random_weights(full_plan, np.random.default_rng(0))
+    spec = parse_spec({**body, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
+    plan = make_plan(spec)
+    lo, n_local = plan.expert_offset, plan.local_experts
+    mine = {k: (v[lo:lo + n_local] if k.startswith("experts.") else v) for k, v in weights.items()
+            if rank == 0 or not k.startswith("shared_expert")}
+    write_dir(Path(root) / f"r{rank}", render_all(spec, plan))
+    layer = load(Path(root) / f"r{rank}", mine, device=Device(rank))
+    layer.set_allreduce(torch_allreduce())
+    full = None
+    if rank == 0:
+        write_dir(Path(root) / "full", render_all(parse_spec(body, check_generated=False), full_plan))
+        full = load(Path(root) / "full", weights, device=Device(0))
+    for n in counts:
+        x = torch.randn(n, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        layer(x, out=out, stream=torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            layer(x, out=out, stream=torch.cuda.current_stream())
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if rank == 0:
+            want = torch.empty_like(x)
+            full(x, out=want, stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            for kind, t in (("eager", eager), ("graph", out), ("want", want)):  # for the caller, as files
+                np.save(Path(root) / f"{kind}{n}.npy", t.float().cpu().numpy().astype(np.float64))
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+
+
+def run_ep_check(body: dict, world: int, counts: list[int], root: str, port: int = 29547,
+                 watchdog: float = 240.0) -> None:
+    """Runs the layer of `body` (a spec mapping with parallel.ep_size 1) over `world` GPUs, one
+    process per GPU, and leaves in `root`, per token count n, the expert-parallel output eager and
+    replayed from a CUDA graph (eager<n>.npy, graph<n>.npy) and the single-GPU layer's (want<n>.npy)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_check_rank, args=(world, body, counts, root, port, watchdog), nprocs=world, join=True)

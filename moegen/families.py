@@ -8,6 +8,7 @@ existed (checkable with cuobjdump -sass).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -90,6 +91,9 @@ class Tuning:
     # The router's K split (0: the analytic one, the smallest that gives every SM a block): fewer,
     # longer router blocks leave fewer partial sums to add before the route.
     router_split: int = 0
+    # The largest token bucket computed by the fused expert kernel (-1: the analytic choice,
+    # fused_max; 0: none).
+    fused: int = -1
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -101,6 +105,10 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
+        if self.fused < -1:
+            raise TuningError(f"tuning fused={self.fused}: -1 (the analytic choice), 0 (off) or a bucket size")
+        if self.fused < -1:
+            raise TuningError(f"tuning fused={self.fused}: -1 (the analytic choice), 0 (off) or a bucket size")
         kc = h // 32
         if self.router_split and (self.router_split < 0 or kc % self.router_split or kc // self.router_split < WARPS):
             raise TuningError(f"tuning router_split={self.router_split}: a divisor of hidden_size/32={kc} leaving "
@@ -397,6 +405,82 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     return _kernel(name, "down", w * 32, targs, base, extra, "down_body",
                    f"down: expert slots x {c.h // 16} tiles of {c.i}" + (f" + shared ({c.si})" if c.si else "")
                    + "; the last block of each tile writes the weighted sum")
+
+
+# ---- small batches: one kernel per expert (gate/up, activation, down over one K chunk) ----
+FUSED_MAX_TOKENS = 8  # one token group of 8 per expert: the fused kernel's B fragment
+COMBINE_THREADS = 256  # 32 columns x 8 warps, each adding some of the choices' chunks
+FUSED_PART_SHARE = 8  # the partial sums of a fused call stay within this share of L2
+
+
+def part_bytes(c: Layer, tokens: int) -> int:
+    """fp32 partial sums of the fused kernel for `tokens`: one row of H per down K chunk and
+    (token, choice) pair, and per chunk and token for the shared expert."""
+    return 4 * c.h * tokens * (c.k * (c.i // 32) + c.si // 32)
+
+
+def fused_depth(c: Layer, warps: int = WARPS) -> int:
+    """Ring depth of the fused kernel: its slot holds a gate/up chunk (4 fragments and x) or a down
+    row group (2 fragments per tile); the reduction and the activations take the rest."""
+    slot = 512 * max(5, 2 * c.tune.down_tiles)
+    return min(MAX_DEPTH, (STATIC_SMEM - warps * 1024 - 256) // (warps * slot))
+
+
+def fused_max(c: Layer, target: Target, buckets: tuple[int, ...]) -> int:
+    """The largest bucket the fused kernel computes (0: none). Its partial sums must fit a share
+    of L2 (they are written and read back once); it takes BF16 weights and at most 8 tokens per
+    expert; a spec that asks for one reduction order for every N (batch_invariant) keeps the
+    two-kernel path, whose order does not depend on the bucket."""
+    if c.tune.fused == 0 or c.spec.batch_invariant or c.kf_e != "bf16" or (c.si and c.kf_s != "bf16"):
+        return 0
+    if fused_depth(c) < 2:
+        return 0
+    cap = FUSED_MAX_TOKENS if c.tune.fused < 0 else min(c.tune.fused, FUSED_MAX_TOKENS)
+    fits = [b for b in buckets if b <= cap and part_bytes(c, b) <= target.l2_bytes // FUSED_PART_SHARE]
+    return max(fits, default=0)
+
+
+def fused_kernel(c: Layer, nf: int) -> Kernel:
+    t = c.tune.down_tiles
+    name = (f"moe_expert_e{c.e}_h{c.h}_i{c.i}" + (f"_si{c.si}" if c.si else "") + f"_nf{nf}_k{c.k}_bf16_{c.act_tag}"
+            + ("_winput" if c.woi else "") + c.ep_tag + (f"_t{t}" if t != DOWN_TILES else "") + f"_{c.spec.arch}")
+    targs = tuple(map(str, (c.h // 32, c.i // 32, max(c.si // 32, 1), WARPS, fused_depth(c), c.i // 16, c.si // 16,
+                            c.i, t, c.h // (16 * t), c.h, nf, c.k)))
+    base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
+            ("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
+            ("const bf16_t* __restrict__ x", "x", c.x_expert),
+            ("const int* __restrict__ num_slots", "num_slots", "ws.num_slots"),
+            ("const int* __restrict__ slot_expert", "slot_expert", "ws.slot_expert"),
+            ("const int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
+            ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
+            ("float* __restrict__ part", "part", "ws.part"), ("float* __restrict__ part_s", "part_s", "ws.part_s"),
+            ("int n", "n", "n"))
+    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias else ()
+    if c.bias:
+        extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
+                  ("const float* __restrict__ b_up", "b_up", "w.b_up"))
+    kernel = _kernel(name, "expert", WARPS * 32, targs, base, extra, "expert_fused_body",
+                     f"expert (up to {nf} tokens): gate/up + {c.act_tag} of tile pairs, exchanged in a cluster, "
+                     f"then down over their K chunk" + (f"; shared expert {c.si // 16} tiles" if c.si else ""))
+    return dataclasses.replace(kernel, cluster=2)
+
+
+def combine_kernel(c: Layer, nf: int) -> Kernel:
+    name = (f"moe_combine_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "") + ("_sgate" if c.gated else "")
+            + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "") + ("_winput" if c.woi else "") + c.ep_tag
+            + f"_nf{nf}_{c.spec.arch}")
+    targs = (*map(str, (c.i // 32, max(c.si // 32, 1), c.h, c.k, nf)), _b(bool(c.si)), _b(c.gated))
+    base = (("const float* __restrict__ part", "part", "ws.part"), ("const float* __restrict__ part_s", "part_s", "ws.part_s"),
+            ("const float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
+            ("const int* __restrict__ pair_pos", "pair_pos", "ws.pair_pos"),
+            ("const float* __restrict__ gate_s", "gate_s", "ws.gate_s"), ("bf16_t* __restrict__ out", "out", "out"),
+            ("int n", "n", "n"))
+    extra: Extra = (("const float* __restrict__ b_down", "b_down", "w.b_down"),) if c.bias or c.z else ()
+    if c.z or c.bias:
+        extra += (("const bf16_t* __restrict__ x", "x", c.x_expert),
+                  ("const int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"))
+    return _kernel(name, "combine", COMBINE_THREADS, targs, base, extra, "combine_body",
+                   "combine: the fused kernel's chunk partials added in order, weighted per choice")
 
 
 QUANT_THREADS = 256

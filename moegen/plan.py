@@ -11,7 +11,13 @@ The analytic model (decode is memory-bound):
   pass, NT sized from the expected tokens per expert in the bucket (more passes re-read the tile
   from L2, not from memory);
 - the router matrix is small (E x H), so its K is split over KSPLIT blocks per tile until the
-  tiles cover the multiprocessors; the route kernel adds the partial sums in a fixed order.
+  tiles cover the multiprocessors; the route kernel adds the partial sums in a fixed order;
+- at the smallest token counts a layer is a few microseconds of weights per multiprocessor, and
+  each dependent kernel adds its start and drain: gate/up and down then run as one kernel
+  (families.fused_max), each pair of gate/up tiles computing down's partial sums over its K
+  chunk, which a small combine kernel adds in order. The partial sums cost L2 traffic
+  (families.part_bytes), so this holds while they stay within an eighth of L2 and an expert has
+  at most 8 tokens; past that, gate/up then down, each over all of K.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Kernel:
     arg_keys: tuple[str, ...]  # how the launcher fills each parameter (buffer name, "x", "n", ...)
     body: str
     comment: str
+    cluster: int = 1  # blocks per thread-block cluster (__cluster_dims__ of the kernel)
 
 
 @dataclass(frozen=True)
@@ -226,25 +233,40 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     route_name = add(F.route_kernel(c, _routing_desc(spec)))
     for kernel in F.pack_kernels(spec.arch, c.tune.down_tiles):
         add(kernel)
-    buckets = tuple(_bucket(c, nb, add, norm_name, route_name) for nb in _buckets(spec))
+    sizes = _buckets(spec)
+    nf = F.fused_max(c, target, sizes)
+    buckets = tuple(_bucket(c, nb, add, norm_name, route_name, nf) for nb in sizes)
     return Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
-        kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c),
+        kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
+        **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
+                             "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
+           if nf else {}),
     )
 
 
-def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str) -> Bucket:
-    """The launches for calls of up to nb tokens."""
+def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int) -> Bucket:
+    """The launches for calls of up to nb tokens: up to nf (fused_max) the router, the fused expert
+    kernel and the combine; past it the router (and route), gate/up and down."""
     slots = min(c.e_local, nb * c.k)
+    if nb <= nf:
+        fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
+        return Bucket(nb, (
+            *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
+            Launch(add(F.router_kernel(c, _nt(nb), True)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
+            Launch(add(fk), (slots * (c.i // 16) + c.si // 16, 1), fk.threads, pdl=True),
+            Launch(add(ck), ("n", c.h // 32), ck.threads, pdl=True),
+        ))
     nt_dense = _nt(nb)
     # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
     # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
     nt_routed = nt_dense if c.si else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
+    nt_shared = nt_dense if c.si else nt_routed  # without a shared expert its token groups are unused
     fused = nb <= FUSED_ROUTE_MAX
     groups = c.h // (16 * c.tune.down_tiles)
     launches = (
@@ -254,11 +276,11 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
                                    F.route_threads(c.e + c.z), pdl=True),)),
         *((Launch(add(xq), (_quant_grid(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
-        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_dense)), (slots * (c.i // 16) + c.si // 16, 1),
+        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared)), (slots * (c.i // 16) + c.si // 16, 1),
                gate_up.threads, pdl=True),
         *((Launch(add(aq), (_quant_grid(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
           if (aq := F.act_quant_kernel(c, "act")) else ()),
-        Launch(add(down := F.down_kernel(c, nt_routed, nt_dense)), (slots * groups + (groups if c.si else 0), 1),
+        Launch(add(down := F.down_kernel(c, nt_routed, nt_shared)), (slots * groups + (groups if c.si else 0), 1),
                down.threads, pdl=True),
     )
     return Bucket(nb, launches)
@@ -269,7 +291,7 @@ def _quant_grid(warps: int) -> int:
     return max(1, min(-(-warps // (F.QUANT_THREADS // 32)), 4 * 132))
 
 
-def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
+def _workspace(c: F.Layer, nf: int = 0) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
@@ -300,6 +322,9 @@ def _workspace(c: F.Layer) -> tuple[Buffer, ...]:
         Buffer("sa", "float32", (nmax * k, i // 128) if a8e else (1,)),
         Buffer("actq_s", "uint16", (nmax, si) if a8s else (1,)),
         Buffer("sas", "float32", (nmax, si // 128) if a8s else (1,)),
+        # the fused kernel's partial sums over down's K chunks (buckets up to nf tokens)
+        Buffer("part", "float32", (i // 32, nf * k, h) if nf else (1,)),
+        Buffer("part_s", "float32", (si // 32, nf, h) if nf and si else (1,)),
     )
 
 

@@ -26,7 +26,7 @@ from .plan import Plan, PlanError, make_plan
 from .spec import Spec, load_spec
 
 VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 2, True), Tuning(8, 2, True))
-            + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)))
+            + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)) + tuple(Tuning(fused=f) for f in (0, 1, 2, 8)))
 
 
 def _valid(spec: Spec) -> list[tuple[Tuning, Plan]]:
@@ -58,7 +58,12 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
     timer = _Timer()
     table: dict[Tuning, dict[int, float]] = {}
+    seen: set[tuple] = set()
     for tuning, plan in variants:
+        launches = tuple(b.launches for b in plan.buckets)
+        if launches in seen:  # the same kernels as a variant already timed (e.g. no bucket fused either way)
+            continue
+        seen.add(launches)
         gen = Path(tempfile.mkdtemp()) / spec.name
         write_dir(gen, render_all(spec, plan))
         stack = [load(gen, w, device=device) for w in weights]
@@ -74,20 +79,22 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
 
     best = min(table, key=score)
     print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
-    print(f"{'warps':>5} {'tiles':>5} {'pf':>3} {'ks':>3} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
+    print(f"{'warps':>5} {'tiles':>5} {'pf':>3} {'ks':>3} {'fused':>5} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
     for t in table:
         mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
-        print(f"{t.warps:>5} {t.down_tiles:>5} {'yes' if t.prefetch else 'no':>3} {t.router_split or '-':>3} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
+        print(f"{t.warps:>5} {t.down_tiles:>5} {'yes' if t.prefetch else 'no':>3} {t.router_split or '-':>3} "
+              f"{'-' if t.fused < 0 else t.fused:>5} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
               + f"   {score(t):>6.3f}{mark}")
     if write:
         p = tuning_path(out_root, spec.name)
         p.parent.mkdir(parents=True, exist_ok=True)
         rec: dict[str, Any] = {"warps": best.warps, "down_tiles": best.down_tiles, "prefetch": best.prefetch,
-                               "router_split": best.router_split, "gpu": device.name, "date": date.today().isoformat(),
+                               "router_split": best.router_split, "fused": best.fused, "gpu": device.name, "date": date.today().isoformat(),
                                "us": {f"{t.warps}x{t.down_tiles}{'pf' if t.prefetch else ''}"
-                                      f"{f'ks{t.router_split}' if t.router_split else ''}": table[t] for t in table}}
+                                      f"{f'ks{t.router_split}' if t.router_split else ''}"
+                                      f"{f'f{t.fused}' if t.fused >= 0 else ''}": table[t] for t in table}}
         p.write_text(json.dumps(rec, indent=1) + "\n")
         print(f"{p}: warps={best.warps}, down_tiles={best.down_tiles}, prefetch={best.prefetch}, "
-              f"router_split={best.router_split or 'analytic'} "
+              f"router_split={best.router_split or 'analytic'}, fused={'analytic' if best.fused < 0 else best.fused} "
               "(rebuild the spec to use it)")
     return 0

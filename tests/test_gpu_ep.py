@@ -57,63 +57,6 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
     _check_rows(total.double().cpu().numpy(), _host(want).astype(np.float64), f"ep_size={ep_size}")
 
 
-def _rank_main(rank: int, world: int, root: str, port: int, layer_spec: dict | None = None,
-               counts: tuple[int, ...] = (64,), watchdog: float = 240.0) -> None:
-    """One process per GPU: NCCL all-reduce of the partial outputs, inside a CUDA graph too. A
-    rank still running after `watchdog` seconds prints its stack and exits (a failure, not a hang)."""
-    import faulthandler
-    import os
-
-    import torch
-    import torch.distributed as dist
-    from cuda.core import Device
-
-    from moegen.parallel import torch_allreduce
-
-    faulthandler.dump_traceback_later(watchdog, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    stream = torch.cuda.Stream()  # the layer and its all-reduce on a created stream, as a serving loop runs them
-    torch.cuda.set_stream(stream)
-    torch.manual_seed(0)  # the same weights and inputs on every rank
-    base = layer_spec or LAYER
-    full_plan = make_plan(parse_spec(base, check_generated=False))
-    dev_w, _ = _rand_weights(full_plan, torch)
-    spec = parse_spec({**base, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
-    plan = make_plan(spec)
-    out_dir = f"{root}/r{rank}"
-    write_dir(Path(out_dir), render_all(spec, plan))
-    lo, n_local = plan.expert_offset, plan.local_experts
-    w = {k: (v[lo:lo + n_local] if k.startswith("experts.") else v) for k, v in dev_w.items()
-         if rank == 0 or not k.startswith("shared_expert")}
-    layer = load(out_dir, w, device=Device(rank))
-    layer.set_allreduce(torch_allreduce())
-    full = None
-    if rank == 0:
-        write_dir(Path(f"{root}/full"), render_all(parse_spec(base, check_generated=False), full_plan))
-        full = load(f"{root}/full", dev_w, device=Device(0))
-    for n in counts:
-        x = torch.randn(n, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(x)
-        layer(x, out=out, stream=torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(x, out=out, stream=torch.cuda.current_stream())
-        eager = out.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        if rank == 0:
-            want = torch.empty_like(x)
-            full(x, out=want, stream=torch.cuda.current_stream())
-            torch.cuda.synchronize()
-            for kind, t in (("eager", eager), ("graph", out), ("want", want)):  # for the parent, as files
-                np.save(f"{root}/{kind}{n}.npy", _host(t).astype(np.float64))
-    faulthandler.cancel_dump_traceback_later()
-    dist.destroy_process_group()
-
-
 # DeepSeek-V3 as released (FP8 block experts), up to 1024 tokens a call
 DSV3_FP8 = {**yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "deepseek-v3-fp8.yaml").read_text()),
             "max_tokens": 1024}
@@ -124,14 +67,14 @@ DSV3_FP8 = {**yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" /
                          ids=["small", "deepseek-v3-fp8"])
 def test_ranks_on_several_gpus(layer_spec, counts, port, watchdog, tmp_path):
     import torch
-    import torch.multiprocessing as mp
+
+    from moegen.epbench import run_ep_check
 
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("one process per GPU needs at least 2 GPUs")
-    # a fresh interpreter per rank (spawn) and the results through files: no manager process
-    # forked from this one, which holds CUDA and threads
-    mp.spawn(_rank_main, args=(world, str(tmp_path), port, layer_spec, counts, watchdog), nprocs=world, join=True)
+    # the ranks run in fresh interpreters (spawn) from a package module and return files
+    run_ep_check(layer_spec or LAYER, world, list(counts), str(tmp_path), port=port, watchdog=watchdog)
     for n in counts:
         want = np.load(tmp_path / f"want{n}.npy")
         for kind in ("eager", "graph"):

@@ -830,6 +830,9 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
   const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
   const bf16_t* xs = x + part * KC_PART * 32;
+  // The router's weights do not depend on the kernel before: ask L2 for this block's slice
+  // while that kernel finishes (a layer's router is read after megabytes of other weights).
+  if (threadIdx.x == 0) prefetch_l2(a, KC_PART * G::AU * 512);
   grid_dep_wait();
   grid_dep_launch();
   for (int n0 = 0; n0 < n; n0 += 8 * NT) {
@@ -1112,6 +1115,220 @@ MOE_DEVICE void act_quant2_body(const bf16_t* __restrict__ act, bf16_t* __restri
   if (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
 }
 
+// ---- small batches: the whole expert in one kernel, down split over K ----
+// Thread-block clusters of two: the blocks of one pair compute the gate/up + activation of the
+// two 16-row tiles 2c and 2c+1 of one expert, exchange them through distributed shared memory
+// (the 32 activations of down's K chunk c), and each then multiplies its half of down's row groups
+// by that chunk. The result is down's partial sum over chunk c, written per (chunk, token row)
+// to `part` without atomics; moe_combine adds the chunks in order and weighs the experts. The
+// ring carries gate/up's chunks and then down's row groups, so the down weights are in flight
+// while gate/up finishes: one stream per block, no kernel boundary between gate/up and down.
+MOE_DEVICE u32 cluster_map(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+MOE_DEVICE uint4 ld_cluster_u4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared::cluster.v4.u32 { %0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+MOE_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// part: [I/32 chunks][NF*K token rows][H] fp32 (rows as the route numbers the pairs); part_s:
+// [IS/32][NF][H] for the shared expert. KCD = I/32, KCDS = IS/32; GB = this block's row groups.
+template <int KC, int KCD, int KCDS, int WARPS, int DEPTH, int TI, int TIS, int I, int TPB, int TH, int H, int NF,
+          int K>
+MOE_DEVICE void expert_fused_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
+                                  const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
+                                  const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
+                                  const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
+                                  const int* __restrict__ slot_token, float* __restrict__ part,
+                                  float* __restrict__ part_s, int n, const float* __restrict__ slot_w = nullptr,
+                                  const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr) {
+  constexpr int AUA = 4, AUB = 2 * TPB;  // 16-byte fragments per lane: gate/up chunk, down row group
+  constexpr int SLOT = AUA + 1 > AUB ? AUA + 1 : AUB;
+  constexpr int GB = TH / 2;
+  static_assert(TI % 2 == 0 && TH % 2 == 0, "tiles in pairs, row groups in halves");
+  __shared__ uint4 ring[WARPS * DEPTH * SLOT * 32];
+  __shared__ float red[WARPS * 2 * 128];
+  __shared__ __align__(16) bf16_t actb[8 * 16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int routed_blocks = gridDim.x - TIS;
+  const bool shared = (int)blockIdx.x >= routed_blocks;
+  const int tile = shared ? blockIdx.x - routed_blocks : blockIdx.x % TI;
+  const u32 rank = tile & 1;  // the cluster rank: a pair is blocks 2q, 2q+1 (routed_blocks is even)
+  int m = n, begin = 0, e = 0;
+  if (!shared) {
+    grid_dep_wait();  // routing must be complete
+    grid_dep_launch();
+    const int slot = blockIdx.x / TI;
+    if (slot >= *num_slots) return;  // both blocks of the pair
+    e = slot_expert[slot];
+    begin = slot_begin[slot];
+    m = slot_begin[slot + 1] - begin;
+  } else {
+    grid_dep_launch();  // the shared expert reads x only
+  }
+  const int c = tile >> 1;
+  const int kcd = shared ? KCDS : KCD;
+  const uint4* a = shared ? ws13 + (size_t)tile * KC * AUA * 32 : w13 + ((size_t)e * TI + tile) * KC * AUA * 32;
+  const uint4* d = (shared ? ws2 : w2 + (size_t)e * TH * KCD * AUB * 32) + (size_t)c * AUB * 32;
+  const int tok = g < m ? (shared ? g : slot_token[begin + g]) : 0;
+  const bf16_t* xr = x + (size_t)tok * H + t * 8;
+  uint4* lring = ring + warp * DEPTH * SLOT * 32 + lane;
+  const int mine_a = (KC - warp + WARPS - 1) / WARPS, mine_b = (GB - warp + WARPS - 1) / WARPS;
+  auto issue = [&](int i) {
+    uint4* st = lring + (i % DEPTH) * SLOT * 32;
+    if (i < mine_a) {
+      const int ck = warp + i * WARPS;
+#pragma unroll
+      for (int f = 0; f < AUA; ++f) cp_async16(st + f * 32, a + ((size_t)ck * AUA + f) * 32 + lane, true);
+      cp_async16(st + AUA * 32, xr + ck * 32, g < m);
+    } else if (i < mine_a + mine_b) {
+      const int gr = rank * GB + warp + (i - mine_a) * WARPS;
+      const uint4* src = d + (size_t)gr * kcd * AUB * 32 + lane;
+#pragma unroll
+      for (int f = 0; f < AUB; ++f) cp_async16(st + f * 32, src + f * 32, true);
+    }
+    cp_async_commit();
+  };
+  float acc[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < DEPTH - 1; ++i) issue(i);
+  for (int i = 0; i < mine_a; ++i) {
+    issue(i + DEPTH - 1);
+    cp_async_wait<DEPTH - 1>();
+    const uint4* st = lring + (i % DEPTH) * SLOT * 32;
+    const uint4 bv = st[AUA * 32];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_bf16(acc[mt], st[(2 * mt) * 32], bv.x, bv.y);
+      mma_bf16(acc[mt], st[(2 * mt + 1) * 32], bv.z, bv.w);
+    }
+  }
+  // gate/up sums over warps in warp order (as TileGemv::result), the activation, in bf16
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    *reinterpret_cast<float4*>(red + (warp * 2 + mt) * 128 + lane * 4) =
+        make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    const int r = threadIdx.x & 15, col = threadIdx.x >> 4;
+    const int el = (((r & 7) * 4 + (col >> 1)) * 4) + (r >> 3) * 2 + (col & 1);
+    float gv = 0.0f, uv = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      gv += red[(w * 2) * 128 + el];
+      uv += red[(w * 2 + 1) * 128 + el];
+    }
+    bf16_t v = 0;
+    if (col < m) {
+      if (shared) {
+        v = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      } else {
+        if (ActRule::EXPERT_BIAS) {
+          gv += b_gate[(size_t)e * I + tile * 16 + r];
+          uv += b_up[(size_t)e * I + tile * 16 + r];
+        }
+        if (RouteRule::WEIGHT_ON_INPUT) {
+          const float w = slot_w[begin + col];
+          gv *= w;
+          uv *= w;
+        }
+        v = f32_to_bf16(activate<true>(gv, uv));
+      }
+    }
+    actb[col * 16 + r] = v;
+  }
+  cluster_sync();  // both tiles' activations are in place
+  // down's B fragment: token g's activations 8t .. 8t+7 of the 32-wide chunk (tile 2c: 0-15)
+  const uint4 b = ld_cluster_u4(cluster_map((u32)__cvta_generic_to_shared(actb + g * 16 + (t & 1) * 8), t >> 1));
+  float* dst = shared ? part_s + (size_t)c * NF * H : part + ((size_t)c * NF * K + begin) * H;
+  for (int i = mine_a; i < mine_a + mine_b; ++i) {
+    issue(i + DEPTH - 1);
+    cp_async_wait<DEPTH - 1>();
+    const uint4* st = lring + (i % DEPTH) * SLOT * 32;
+    const int gr = rank * GB + warp + (i - mine_a) * WARPS;
+#pragma unroll
+    for (int mt = 0; mt < TPB; ++mt) {
+      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16(o, st[(2 * mt) * 32], b.x, b.y);
+      mma_bf16(o, st[(2 * mt + 1) * 32], b.z, b.w);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // rows g (r = 0, 1) and g + 8, token columns 2t, 2t + 1
+        const int col = 2 * t + (r & 1);
+        if (col < m) dst[(size_t)col * H + gr * 16 * TPB + mt * 16 + g + (r >> 1) * 8] = o[r];
+      }
+    }
+  }
+  cp_async_wait<0>();
+  cluster_sync();  // the other block has read this block's activations
+}
+
+// The weighted sum of the fused kernel's partials: out[t, h] = sum_j w[t, j] * (sum_c part[c, pair(t, j), h]
+// (+ down bias)) (+ gate[t] * sum_c part_s[c, t, h]). Block (t, 32 columns h): warp q adds the q-th
+// eighth of every choice's chunks in chunk order, then one warp adds the eighths in order and
+// the choices in order (a fixed order: no atomics). The shared expert is choice K.
+template <int KCD, int KCDS, int H, int K, int NF, bool SHARED, bool SHARED_GATE>
+MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __restrict__ part_s,
+                             const float* __restrict__ topk_w, const int* __restrict__ pair_pos,
+                             const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n,
+                             const float* __restrict__ b_down = nullptr, const bf16_t* __restrict__ x = nullptr,
+                             const int* __restrict__ topk_ids = nullptr) {
+  constexpr int TERMS = K + (SHARED ? 1 : 0);
+  __shared__ float v[TERMS][8][32];
+  grid_dep_wait();
+  grid_dep_launch();
+  const int tk = blockIdx.x, hh = threadIdx.x & 31, q = threadIdx.x >> 5, h = blockIdx.y * 32 + hh;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const int pos = pair_pos[tk * K + j];
+    float s = 0.0f;
+    if (pos >= 0) {  // an identity expert or another rank's has no partials
+      const float* src = part + (size_t)pos * H + h;
+#pragma unroll
+      for (int c = q * KCD / 8; c < (q + 1) * KCD / 8; ++c) s += __ldcg(src + (size_t)c * NF * K * H);
+    }
+    v[j][q][hh] = s;
+  }
+  if (SHARED) {
+    const float* src = part_s + (size_t)tk * H + h;
+    float s = 0.0f;
+#pragma unroll
+    for (int c = q * KCDS / 8; c < (q + 1) * KCDS / 8; ++c) s += __ldcg(src + (size_t)c * NF * H);
+    v[TERMS - 1][q][hh] = s;
+  }
+  __syncthreads();
+  if (q != 0) return;
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < TERMS; ++j) {
+    float y = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) y += v[j][r][hh];
+    if (SHARED && j == K) {
+      acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, y, acc);
+      continue;
+    }
+    const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
+    if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {  // a zero expert: w * x
+      if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);
+    } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {  // expert parallelism: this rank's experts
+      if (ActRule::EXPERT_BIAS) y += b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h];
+      acc = fmaf(w, y, acc);
+    }
+  }
+  out[(size_t)tk * H + h] = f32_to_bf16(acc);
+}
+
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
 // one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
@@ -1207,6 +1424,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt1_n256_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 1, 4, 8, 32, 128, 256, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
+// expert (up to 1 tokens): gate/up + silu_gated of tile pairs, exchanged in a cluster, then down over their K chunk
+extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(2, 1, 1) moe_expert_e128_h4096_i1536_nf1_k8_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, float* __restrict__ part, float* __restrict__ part_s, int n) {
+  expert_fused_body<128, 48, 1, 4, 4, 96, 0, 1536, 2, 128, 4096, 1, 8>(w13, ws13, w2, ws2, x, num_slots, slot_expert, slot_begin, slot_token, part, part_s, n);
+}
+// combine: the fused kernel's chunk partials added in order, weighted per choice
+extern "C" __global__ void __launch_bounds__(256) moe_combine_h4096_i1536_k8_nf1_sm_90a(const float* __restrict__ part, const float* __restrict__ part_s, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n) {
+  combine_body<48, 1, 4096, 8, 1, false, false>(part, part_s, topk_w, pair_pos, gate_s, out, n);
+}
 // gate/up + silu_gated: expert slots x 96 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 1, 4, 4, 96, 0, 1536, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
@@ -1225,11 +1450,11 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks32_nt4
 }
 // gate/up + silu_gated: expert slots x 96 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<128, 2, 4, 4, 3, 96, 0, 1536, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+  gate_up_body<128, 2, 2, 4, 4, 96, 0, 1536, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 256 tiles of 1536; the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1536_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<48, 0, 2, 4, 4, 3, 2, 128, 4096, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<48, 0, 2, 2, 4, 4, 2, 128, 4096, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + silu_gated: expert slots x 96 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h4096_i1536_nt4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
