@@ -94,7 +94,7 @@ def read_tuning(out_root: str | Path, name: str) -> Tuning | None:
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch is {prefetch!r}, not true or false")
         return Tuning(warps=int(d["warps"]), down_tiles=int(d["down_tiles"]), prefetch=prefetch,
-                      router_split=int(d.get("router_split", 0)), fused=int(d.get("fused", -1)))
+                      router_split=int(d.get("router_split", 0)), fused=int(d.get("fused", 0)))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BuildError(f"{p}: not a tuning file ({exc}); expected {{\"warps\": 4, \"down_tiles\": 2, ...}} "
                          "as moegen tune --write writes it (delete it to use the analytic plan)") from None

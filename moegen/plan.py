@@ -12,12 +12,10 @@ The analytic model (decode is memory-bound):
   from L2, not from memory);
 - the router matrix is small (E x H), so its K is split over KSPLIT blocks per tile until the
   tiles cover the multiprocessors; the route kernel adds the partial sums in a fixed order;
-- at the smallest token counts a layer is a few microseconds of weights per multiprocessor, and
-  each dependent kernel adds its start and drain: gate/up and down then run as one kernel
-  (families.fused_max), each pair of gate/up tiles computing down's partial sums over its K
-  chunk, which a small combine kernel adds in order. The partial sums cost L2 traffic
-  (families.part_bytes), so this holds while they stay within an eighth of L2 and an expert has
-  at most 8 tokens; past that, gate/up then down, each over all of K.
+- gate/up then down, each over all of K. A tuning may instead fuse them for the smallest buckets
+  (families.fused_max: each pair of gate/up tiles computes down's partial sums over its K chunk,
+  a combine kernel adds them in order; the partials must stay within an eighth of L2). Measured,
+  that saved no dependent launch (the combine is one), so the analytic plan does not fuse.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class Spec(_Frozen):
     parallel: Parallel = Parallel()
     max_tokens: Annotated[int, Field(gt=0, le=4096)] = 256
     buckets: tuple[Positive, ...] | None = None  # upper token counts of the buckets
-    batch_invariant: bool = False
+    batch_invariant: bool = False  # one reduction order for every N: no fused small-batch buckets
 
     @model_validator(mode="after")
     def _consistent(self) -> Spec:

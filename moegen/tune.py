@@ -26,7 +26,7 @@ from .plan import Plan, PlanError, make_plan
 from .spec import Spec, load_spec
 
 VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 2, True), Tuning(8, 2, True))
-            + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)) + tuple(Tuning(fused=f) for f in (0, 1, 2, 8)))
+            + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)) + tuple(Tuning(fused=f) for f in (1, 2, 4)))
 
 
 def _valid(spec: Spec) -> list[tuple[Tuning, Plan]]:
@@ -83,7 +83,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     for t in table:
         mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
         print(f"{t.warps:>5} {t.down_tiles:>5} {'yes' if t.prefetch else 'no':>3} {t.router_split or '-':>3} "
-              f"{'-' if t.fused < 0 else t.fused:>5} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
+              f"{t.fused or '-':>5} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
               + f"   {score(t):>6.3f}{mark}")
     if write:
         p = tuning_path(out_root, spec.name)
@@ -92,9 +92,9 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
                                "router_split": best.router_split, "fused": best.fused, "gpu": device.name, "date": date.today().isoformat(),
                                "us": {f"{t.warps}x{t.down_tiles}{'pf' if t.prefetch else ''}"
                                       f"{f'ks{t.router_split}' if t.router_split else ''}"
-                                      f"{f'f{t.fused}' if t.fused >= 0 else ''}": table[t] for t in table}}
+                                      f"{f'f{t.fused}' if t.fused else ''}": table[t] for t in table}}
         p.write_text(json.dumps(rec, indent=1) + "\n")
         print(f"{p}: warps={best.warps}, down_tiles={best.down_tiles}, prefetch={best.prefetch}, "
-              f"router_split={best.router_split or 'analytic'}, fused={'analytic' if best.fused < 0 else best.fused} "
+              f"router_split={best.router_split or 'analytic'}, fused={best.fused or 'off'} "
               "(rebuild the spec to use it)")
     return 0

@@ -652,14 +652,15 @@ def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.Mon
         build(QWEN, out)
 
 
-def test_small_buckets_fuse_gate_up_and_down_where_the_partials_fit_l2():
-    """Fine-grained BF16 experts: the smallest buckets run router, fused expert (clusters of 2)
-    and combine; the partial sums of every fused bucket stay within the L2 share, larger buckets
-    (and quantized, batch-invariant or fused=0 layers) keep gate/up then down."""
+def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
+    """The analytic plan keeps gate/up then down; a tuning (fused=N) runs router, fused expert
+    (clusters of 2) and combine for the buckets up to N whose partial sums stay within the L2
+    share; quantized and batch-invariant layers are never fused."""
     from moegen import families as F
     from moegen.plan import TARGETS
 
-    plan = make_plan(load_spec(QWEN))
+    assert not any(k.family in ("expert", "combine") for k in make_plan(load_spec(QWEN)).kernels)
+    plan = make_plan(load_spec(QWEN), tuning=F.Tuning(fused=8))
     fams = {b.max_tokens: [plan.kernel(ln.kernel).family for ln in b.launches] for b in plan.buckets}
     assert fams[1] == fams[4] == ["router", "expert", "combine"]
     assert fams[8] == ["router", "gate_up", "down"]
@@ -670,10 +671,10 @@ def test_small_buckets_fuse_gate_up_and_down_where_the_partials_fit_l2():
     assert nf == 4 and part.shape == (768 // 32, nf * 8, 2048)
     c = F.Layer.of(load_spec(QWEN), TARGETS[ARCH])
     assert F.part_bytes(c, 4) <= TARGETS[ARCH].l2_bytes // F.FUSED_PART_SHARE < F.part_bytes(c, 8)
-    for dotted, value in (("batch_invariant", True), ("experts.format", "fp8_block")):
-        p = variant(QWEN, dotted, value)
-        assert not any(k.family in ("expert", "combine") for k in p.kernels), dotted
-    off = make_plan(load_spec(QWEN), tuning=F.Tuning(fused=0))
-    assert not any(k.family == "expert" for k in off.kernels)
     one = make_plan(load_spec(QWEN), tuning=F.Tuning(fused=1))
     assert [b.max_tokens for b in one.buckets if one.kernel(b.launches[1].kernel).family == "expert"] == [1]
+    for body in ({"batch_invariant": True}, {"experts": {"count": 128, "top_k": 8, "intermediate_size": 768,
+                                                          "format": "fp8_block"}}):
+        data = {**yaml.safe_load(QWEN.read_text()), **body}
+        p = make_plan(parse_spec(data, "variant"), tuning=F.Tuning(fused=8))
+        assert not any(k.family in ("expert", "combine") for k in p.kernels), body

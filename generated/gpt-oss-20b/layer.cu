@@ -830,9 +830,6 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
   const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
   const bf16_t* xs = x + part * KC_PART * 32;
-  // The router's weights do not depend on the kernel before: ask L2 for this block's slice
-  // while that kernel finishes (a layer's router is read after megabytes of other weights).
-  if (threadIdx.x == 0) prefetch_l2(a, KC_PART * G::AU * 512);
   grid_dep_wait();
   grid_dep_launch();
   for (int n0 = 0; n0 < n; n0 += 8 * NT) {
@@ -1423,14 +1420,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 // router: 32 rows x 2880, K split 18 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r32_h2880_ks18_nt1_n256_route_e32_k4_softmax_logits_rbias_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<90, 1, 4, 8, 18, 32, 256, true, 32, 4, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-// expert (up to 1 tokens): gate/up + swiglu_clamped_a1p702_l7_bias of tile pairs, exchanged in a cluster, then down over their K chunk
-extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(2, 1, 1) moe_expert_e32_h2880_i2880_nf1_k4_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, float* __restrict__ part, float* __restrict__ part_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
-  expert_fused_body<90, 90, 1, 4, 4, 180, 0, 2880, 2, 90, 2880, 1, 4>(w13, ws13, w2, ws2, x, num_slots, slot_expert, slot_begin, slot_token, part, part_s, n, slot_w, b_gate, b_up);
-}
-// combine: the fused kernel's chunk partials added in order, weighted per choice
-extern "C" __global__ void __launch_bounds__(256) moe_combine_h2880_i2880_k4_bias_nf1_sm_90a(const float* __restrict__ part, const float* __restrict__ part_s, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids) {
-  combine_body<90, 1, 2880, 4, 1, false, false>(part, part_s, topk_w, pair_pos, gate_s, out, n, b_down, x, topk_ids);
 }
 // gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e32_h2880_i2880_nt1_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {

@@ -830,9 +830,6 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
   const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
   const bf16_t* xs = x + part * KC_PART * 32;
-  // The router's weights do not depend on the kernel before: ask L2 for this block's slice
-  // while that kernel finishes (a layer's router is read after megabytes of other weights).
-  if (threadIdx.x == 0) prefetch_l2(a, KC_PART * G::AU * 512);
   grid_dep_wait();
   grid_dep_launch();
   for (int n0 = 0; n0 < n; n0 += 8 * NT) {

@@ -830,9 +830,6 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
   const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
   const bf16_t* xs = x + part * KC_PART * 32;
-  // The router's weights do not depend on the kernel before: ask L2 for this block's slice
-  // while that kernel finishes (a layer's router is read after megabytes of other weights).
-  if (threadIdx.x == 0) prefetch_l2(a, KC_PART * G::AU * 512);
   grid_dep_wait();
   grid_dep_launch();
   for (int n0 = 0; n0 < n; n0 += 8 * NT) {
@@ -1423,14 +1420,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n256_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 256, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-// expert (up to 4 tokens): gate/up + silu_gated of tile pairs, exchanged in a cluster, then down over their K chunk
-extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(2, 1, 1) moe_expert_e128_h2048_i768_nf4_k8_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, float* __restrict__ part, float* __restrict__ part_s, int n) {
-  expert_fused_body<64, 24, 1, 4, 4, 48, 0, 768, 2, 64, 2048, 4, 8>(w13, ws13, w2, ws2, x, num_slots, slot_expert, slot_begin, slot_token, part, part_s, n);
-}
-// combine: the fused kernel's chunk partials added in order, weighted per choice
-extern "C" __global__ void __launch_bounds__(256) moe_combine_h2048_i768_k8_nf4_sm_90a(const float* __restrict__ part, const float* __restrict__ part_s, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, bf16_t* __restrict__ out, int n) {
-  combine_body<24, 1, 2048, 8, 4, false, false>(part, part_s, topk_w, pair_pos, gate_s, out, n);
 }
 // gate/up + silu_gated: expert slots x 48 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
