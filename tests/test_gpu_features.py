@@ -4,6 +4,8 @@ format passes here on the GPU before its refusal in moegen/spec.py is lifted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,9 +14,10 @@ from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights
 
 from moegen import reference
 from moegen.build import render_all, write_dir
+from moegen.families import Tuning
 from moegen.plan import make_plan
 from moegen.runtime import load
-from moegen.spec import parse_spec
+from moegen.spec import load_spec, parse_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -34,9 +37,9 @@ def test_feature_matches_reference(case, tmp_path):
         layer.close()
 
 
-def _check_counts(case, spec, plan, layer, host, torch) -> None:
+def _check_counts(case, spec, plan, layer, host, torch, counts=(1, 7, 64)) -> None:
     hashed = spec.routing.hash_vocab_size is not None
-    for n in (1, 7, 64):
+    for n in counts:
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
         tid = torch.randint(0, spec.routing.hash_vocab_size or 1, (n,), device="cuda", dtype=torch.int32)
         out = torch.full_like(x, float("nan"))
@@ -53,6 +56,28 @@ def _check_counts(case, spec, plan, layer, host, torch) -> None:
         assert (np.abs(w - rw) <= tol).all(), f"{case} N={n}: routing weights differ"
         ref = reference.moe_forward(spec, xh, host, token_ids=tids, ids=ids.astype(np.int64))
         _check_rows(_host(out).astype(np.float64), ref, f"{case} N={n}")
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b", "gpt-oss-20b"])
+def test_fused_tuning_matches_reference(name, tmp_path):
+    """The fused small-batch expert kernel (a tuning; the analytic plan does not fuse) at every
+    token count of its buckets, against the reference; two runs give the same bits. The three
+    layers cover a shared expert with its gate and expert biases."""
+    import torch
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec, tuning=Tuning(fused=4))
+    nf = max(b.max_tokens for b in plan.buckets if plan.kernel(b.launches[1].kernel).family == "expert")
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(name, spec, plan, layer, host, torch, counts=range(1, nf + 1))
+        x = torch.randn(nf, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+    finally:
+        layer.close()
 
 
 def _norm_rounding_slack(spec, xh, host) -> np.ndarray:
