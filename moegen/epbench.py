@@ -52,9 +52,19 @@ def _captured(fn: Any, torch: Any) -> Any:
     return graph
 
 
-def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, results: Any) -> None:
+def _init_rank(rank: int, world: int, port: int) -> None:
+    """This process's GPU and its NCCL process group (torch.distributed), on localhost."""
     import os
 
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+
+
+def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
     from cuda.core import Device
@@ -63,9 +73,7 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, resul
     from .parallel import torch_allreduce
     from .runtime import load
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    _init_rank(rank, world, port)
     spec = parse_spec({**body, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
     plan = make_plan(spec)
     gen = Path(tempfile.mkdtemp()) / spec.name
@@ -133,7 +141,6 @@ def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str,
     stream, eager and in a CUDA graph; rank 0 also runs the whole layer on its GPU. A rank still
     running after `watchdog` seconds prints its stack and exits (a failure, not a hang)."""
     import faulthandler
-    import os
 
     faulthandler.dump_traceback_later(watchdog, exit=True)
     import torch
@@ -141,12 +148,10 @@ def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str,
     from cuda.core import Device
 
     from .bench import _random_weights
-    from .parallel import torch_allreduce
+    from .parallel import rank_weights, torch_allreduce
     from .runtime import load
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    _init_rank(rank, world, port)
     stream = torch.cuda.Stream()
     torch.cuda.set_stream(stream)
     torch.manual_seed(0)  # the same weights and inputs on every rank
@@ -154,9 +159,7 @@ def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str,
     weights = _random_weights(full_plan, np.random.default_rng(0))
     spec = parse_spec({**body, "parallel": {"ep_size": world, "ep_rank": rank}}, check_generated=False)
     plan = make_plan(spec)
-    lo, n_local = plan.expert_offset, plan.local_experts
-    mine = {k: (v[lo:lo + n_local] if k.startswith("experts.") else v) for k, v in weights.items()
-            if rank == 0 or not k.startswith("shared_expert")}
+    mine = rank_weights(weights, plan)
     write_dir(Path(root) / f"r{rank}", render_all(spec, plan))
     layer = load(Path(root) / f"r{rank}", mine, device=Device(rank))
     layer.set_allreduce(torch_allreduce())

@@ -9,6 +9,7 @@ moegen has no NCCL dependency of its own: the caller passes the communicator it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -27,3 +28,12 @@ def torch_allreduce(group: Any = None) -> Any:
 
     allreduce.ranks = dist.get_world_size(group)  # checked against the spec by Layer.set_allreduce
     return allreduce
+
+
+def rank_weights(weights: Mapping[str, Any], plan: Any) -> dict[str, Any]:
+    """The share of a whole layer's weights (Hugging Face names, stacked experts) that the rank of
+    `plan` loads: its experts' slices, the router, and the shared expert on rank 0 only."""
+    lo, n = plan.expert_offset, plan.local_experts
+    first = lo == 0
+    return {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in weights.items()
+            if first or not k.startswith("shared_expert")}

@@ -249,29 +249,29 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
 
 
 def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int) -> Bucket:
-    """The launches for calls of up to nb tokens: up to nf (fused_max) the router, the fused expert
-    kernel and the combine; past it the router (and route), gate/up and down."""
+    """The launches for calls of up to nb tokens: the norm (where the layer has it), the router
+    (and the route), then up to nf (fused_max) the fused expert kernel and the combine, past it
+    gate/up and down."""
     slots = min(c.e_local, nb * c.k)
-    if nb <= nf:
-        fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
-        return Bucket(nb, (
-            *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
-            Launch(add(F.router_kernel(c, _nt(nb), True)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
-            Launch(add(fk), (slots * (c.i // 16) + c.si // 16, 1), fk.threads, pdl=True),
-            Launch(add(ck), ("n", c.h // 32), ck.threads, pdl=True),
-        ))
     nt_dense = _nt(nb)
-    # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
-    # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
-    nt_routed = nt_dense if c.si else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
-    nt_shared = nt_dense if c.si else nt_routed  # without a shared expert its token groups are unused
-    fused = nb <= FUSED_ROUTE_MAX
-    groups = c.h // (16 * c.tune.down_tiles)
-    launches = (
+    fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
+    head = (
         *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
+    )
+    if nb <= nf:
+        fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
+        return Bucket(nb, (*head, Launch(add(fk), (slots * (c.i // 16) + c.si // 16, 1), fk.threads, pdl=True),
+                           Launch(add(ck), ("n", c.h // 32), ck.threads, pdl=True)))
+    # Token groups per pass for the routed experts: twice the mean tokens per expert. With a
+    # shared expert (all tokens) one NT serves both, which halves the kernels to compile.
+    nt_routed = nt_dense if c.si else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
+    nt_shared = nt_dense if c.si else nt_routed  # without a shared expert its token groups are unused
+    groups = c.h // (16 * c.tune.down_tiles)
+    launches = (
+        *head,
         *((Launch(add(xq), (_quant_grid(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
         Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared)), (slots * (c.i // 16) + c.si // 16, 1),

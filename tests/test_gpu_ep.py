@@ -11,6 +11,7 @@ import yaml
 from test_gpu import _check_rows, _host, _rand_weights
 
 from moegen.build import render_all, write_dir
+from moegen.parallel import rank_weights
 from moegen.plan import make_plan
 from moegen.runtime import load
 from moegen.spec import parse_spec
@@ -40,10 +41,7 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
         spec = parse_spec({**LAYER, "parallel": {"ep_size": ep_size, "ep_rank": rank}}, check_generated=False)
         plan = make_plan(spec)
         write_dir(tmp_path / f"r{rank}", render_all(spec, plan))
-        lo, n = plan.expert_offset, plan.local_experts
-        w = {k: (v[lo:lo + n] if k.startswith("experts.") else v) for k, v in dev_w.items()
-             if rank == 0 or not k.startswith("shared_expert")}
-        layer = load(tmp_path / f"r{rank}", w)
+        layer = load(tmp_path / f"r{rank}", rank_weights(dev_w, plan))
         if rank == 0:  # a communicator of the wrong size is refused, naming both sizes
 
             def wrong(out: object, stream: int) -> None: ...

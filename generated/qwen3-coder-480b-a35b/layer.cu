@@ -875,6 +875,23 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   }
 }
 
+// A routed expert's activation of one gate/up row for one token, in bf16: the expert's biases
+// (row = e * I + i), the routing weight on the input where the rule puts it there (w * (x . g)),
+// the clamped activation.
+MOE_DEVICE bf16_t routed_act(float gv, float uv, const float* __restrict__ b_gate, const float* __restrict__ b_up,
+                             size_t row, const float* __restrict__ slot_w, int pair) {
+  if (ActRule::EXPERT_BIAS) {
+    gv += b_gate[row];
+    uv += b_up[row];
+  }
+  if (RouteRule::WEIGHT_ON_INPUT) {
+    const float w = slot_w[pair];
+    gv *= w;
+    uv *= w;
+  }
+  return f32_to_bf16(activate<true>(gv, uv));
+}
+
 // Gate/up projections of one 16-column tile of one expert's FFN, then the activation:
 // act[p, i] = bf16(silu(x_p . g_i) * (x_p . u_i)) for every token p routed to the expert.
 // Blocks past the routed slots compute the shared expert over all tokens.
@@ -915,19 +932,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
               nv_scale2(sc, KC, 2), sx);
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-        if (tk < m) {
-          float gv = GR::result(red, j, 0, r, col), uv = GR::result(red, j, 1, r, col);
-          if (ActRule::EXPERT_BIAS) {
-            gv += b_gate[(size_t)e * I + tile * 16 + r];
-            uv += b_up[(size_t)e * I + tile * 16 + r];
-          }
-          if (RouteRule::WEIGHT_ON_INPUT) {  // the routing weight scales the expert's input: w * (x . g)
-            const float w = slot_w[begin + tk];
-            gv *= w;
-            uv *= w;
-          }
-          act[(size_t)(begin + tk) * I + tile * 16 + r] = f32_to_bf16(activate<true>(gv, uv));
-        }
+        if (tk < m)
+          act[(size_t)(begin + tk) * I + tile * 16 + r] =
+              routed_act(GR::result(red, j, 0, r, col), GR::result(red, j, 1, r, col), b_gate, b_up,
+                         (size_t)e * I + tile * 16 + r, slot_w, begin + tk);
       }
       __syncthreads();
     }
@@ -955,6 +963,25 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
       __syncthreads();
     }
   }
+}
+
+// The weighted sum of a token's choices at output column h: sum_j w[t, j] * y(j) in choice order,
+// y(j) the choice's expert output; a zero (identity) expert contributes w * x (on one rank), and
+// with expert parallelism another rank's expert nothing. Llama-4 weighted the input instead (w = 1).
+template <int K, int H, class Y>
+MOE_DEVICE float weighted_choices(int tk, int h, const float* __restrict__ topk_w, const int* __restrict__ topk_ids,
+                                  const int* __restrict__ pair_pos, const bf16_t* __restrict__ x, Y y) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
+    if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
+      if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);  // added on one rank
+    } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {
+      acc = fmaf(w, y(j), acc);
+    }
+  }
+  return acc;
 }
 
 // Down projection of TPB 16-row tiles of the hidden dimension (one block: TPB*16 rows, packed
@@ -1058,17 +1085,8 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   __threadfence();
   for (int i = threadIdx.x; i < n * ROWS; i += WARPS * 32) {
     const int tk = i / ROWS, h = group * ROWS + i % ROWS;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      // Llama-4 weighted the input instead; a zero (identity) expert contributes w * x.
-      const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
-      if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
-        if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);  // added on one rank
-      } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {  // expert parallelism: this rank's experts
-        acc = fmaf(w, __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h), acc);
-      }
-    }
+    float acc = weighted_choices<K, H>(tk, h, topk_w, topk_ids, pair_pos, x,
+                                       [&](int j) { return __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h); });
     if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
     out[(size_t)tk * H + h] = f32_to_bf16(acc);
   }
@@ -1151,7 +1169,8 @@ MOE_DEVICE void expert_fused_body(const uint4* __restrict__ w13, const uint4* __
   constexpr int GB = TH / 2;
   static_assert(TI % 2 == 0 && TH % 2 == 0, "tiles in pairs, row groups in halves");
   __shared__ uint4 ring[WARPS * DEPTH * SLOT * 32];
-  __shared__ float red[WARPS * 2 * 128];
+  using GA = TileGemv<KC, 2, 1, WARPS, DEPTH>;  // gate/up's partial sums laid out as GA::result reads them
+  __shared__ uint4 red[WARPS * 2 * 128 / 4];
   __shared__ __align__(16) bf16_t actb[8 * 16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int routed_blocks = gridDim.x - TIS;
@@ -1211,39 +1230,17 @@ MOE_DEVICE void expert_fused_body(const uint4* __restrict__ w13, const uint4* __
       mma_bf16(acc[mt], st[(2 * mt + 1) * 32], bv.z, bv.w);
     }
   }
-  // gate/up sums over warps in warp order (as TileGemv::result), the activation, in bf16
+  // gate/up sums over warps in warp order (GA::result), the activation, in bf16
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-    *reinterpret_cast<float4*>(red + (warp * 2 + mt) * 128 + lane * 4) =
-        make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+  for (int mt = 0; mt < 2; ++mt) red[(warp * 2 + mt) * 32 + lane] = make_uint4(
+      __float_as_uint(acc[mt][0]), __float_as_uint(acc[mt][1]), __float_as_uint(acc[mt][2]), __float_as_uint(acc[mt][3]));
   __syncthreads();
   if (threadIdx.x < 128) {
     const int r = threadIdx.x & 15, col = threadIdx.x >> 4;
-    const int el = (((r & 7) * 4 + (col >> 1)) * 4) + (r >> 3) * 2 + (col & 1);
-    float gv = 0.0f, uv = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      gv += red[(w * 2) * 128 + el];
-      uv += red[(w * 2 + 1) * 128 + el];
-    }
-    bf16_t v = 0;
-    if (col < m) {
-      if (shared) {
-        v = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
-      } else {
-        if (ActRule::EXPERT_BIAS) {
-          gv += b_gate[(size_t)e * I + tile * 16 + r];
-          uv += b_up[(size_t)e * I + tile * 16 + r];
-        }
-        if (RouteRule::WEIGHT_ON_INPUT) {
-          const float w = slot_w[begin + col];
-          gv *= w;
-          uv *= w;
-        }
-        v = f32_to_bf16(activate<true>(gv, uv));
-      }
-    }
-    actb[col * 16 + r] = v;
+    const float gv = GA::result(red, 0, 0, r, col), uv = GA::result(red, 0, 1, r, col);
+    actb[col * 16 + r] = col >= m ? (bf16_t)0
+                         : shared ? f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv))
+                                  : routed_act(gv, uv, b_gate, b_up, (size_t)e * I + tile * 16 + r, slot_w, begin + col);
   }
   cluster_sync();  // both tiles' activations are in place
   // down's B fragment: token g's activations 8t .. 8t+7 of the 32-wide chunk (tile 2c: 0-15)
@@ -1305,24 +1302,17 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
   }
   __syncthreads();
   if (q != 0) return;
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < TERMS; ++j) {
+  auto eighths = [&](int j) {  // a choice's sum over its chunks, its eighths in order
     float y = 0.0f;
 #pragma unroll
     for (int r = 0; r < 8; ++r) y += v[j][r][hh];
-    if (SHARED && j == K) {
-      acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, y, acc);
-      continue;
-    }
-    const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
-    if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {  // a zero expert: w * x
-      if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);
-    } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {  // expert parallelism: this rank's experts
-      if (ActRule::EXPERT_BIAS) y += b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h];
-      acc = fmaf(w, y, acc);
-    }
-  }
+    return y;
+  };
+  float acc = weighted_choices<K, H>(tk, h, topk_w, topk_ids, pair_pos, x, [&](int j) {
+    const float y = eighths(j);
+    return ActRule::EXPERT_BIAS ? y + b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h] : y;
+  });
+  if (SHARED) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc);
   out[(size_t)tk * H + h] = f32_to_bf16(acc);
 }
 
