@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from . import __version__
@@ -51,7 +50,7 @@ def manifest(spec: Spec, plan: Plan, compiled: Compiled) -> dict:
         "options": options_of(plan.arch),
         "kernels": [
             {"name": k.name, "family": k.family, "threads": k.threads,
-             **(dataclasses.asdict(res[k.name]) if k.name in res else {})}
+             **(asdict(res[k.name]) if k.name in res else {})}
             for k in plan.kernels
         ],
         "buckets": [
@@ -90,11 +89,17 @@ def read_tuning(out_root: str | Path, name: str) -> Tuning | None:
         return None
     try:
         d = json.loads(p.read_text())
-        prefetch = d.get("prefetch", False)
-        if not isinstance(prefetch, bool):
-            raise TypeError(f"prefetch is {prefetch!r}, not true or false")
-        return Tuning(warps=int(d["warps"]), down_tiles=int(d["down_tiles"]), prefetch=prefetch,
-                      router_split=int(d.get("router_split", 0)), fused=int(d.get("fused", 0)))
+        values = {}
+        for f in fields(Tuning):  # every choice the file holds; the analytic one for the rest
+            if f.name not in d:
+                if f.name in ("warps", "down_tiles"):
+                    raise KeyError(f.name)
+                continue
+            v = d[f.name]
+            if isinstance(f.default, bool) and not isinstance(v, bool):
+                raise TypeError(f"{f.name} is {v!r}, not true or false")
+            values[f.name] = v if isinstance(f.default, bool) else int(v)
+        return Tuning(**values)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BuildError(f"{p}: not a tuning file ({exc}); expected {{\"warps\": 4, \"down_tiles\": 2, ...}} "
                          "as moegen tune --write writes it (delete it to use the analytic plan)") from None

@@ -63,14 +63,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from .check import gpu_unavailable_reason
+    from .families import Tuning
     from .tune import run_tune
 
     reason = gpu_unavailable_reason()
     if reason:
         raise BenchError(f"tune times the layer's variants on a GPU: {reason}")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-    return run_tune(args.spec, tokens=tokens, out_root=args.out, write=args.write)
+    only = tuple(f for f in args.only.split(",") if f) if args.only else ()
+    known = {f.name for f in fields(Tuning)}
+    if set(only) - known:
+        raise BenchError(f"tune --only {args.only}: choices are {', '.join(sorted(known))}")
+    return run_tune(args.spec, tokens=tokens, out_root=args.out, write=args.write, only=only)
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
@@ -156,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", default="generated",
                    help="generated root: --write puts <out>/<name>.tuning.json there, which later builds use")
     t.add_argument("--write", action="store_true", help="keep the fastest variant for later builds")
+    t.add_argument("--only", default=None,
+                   help="comma-separated choices (e.g. fused,router_split): time the analytic plan and the variants that change them")
     t.set_defaults(fn=_cmd_tune)
     _add_spec_commands(sub)
     args = p.parse_args(argv)

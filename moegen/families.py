@@ -108,8 +108,6 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
         if self.fused < 0:
             raise TuningError(f"tuning fused={self.fused}: 0 (off) or the largest bucket to fuse")
-        if self.fused < 0:
-            raise TuningError(f"tuning fused={self.fused}: 0 (off) or the largest bucket to fuse")
         kc = h // 32
         if self.router_split and (self.router_split < 0 or kc % self.router_split or kc // self.router_split < WARPS):
             raise TuningError(f"tuning router_split={self.router_split}: a divisor of hidden_size/32={kc} leaving "

@@ -41,6 +41,12 @@ class GemmTiles:
         return self.bm // 64 * 128
 
     @property
+    def packed_rows(self) -> int:
+        """Token rows per tile of the GEMMs on packed weights (gate/up, down): the tokens are their
+        N, BN wide, and bm sets only their warps. Their tile tables are cut at this size."""
+        return self.bn
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the ring, plus 1 KB to align it to the swizzle's 1024 bytes."""
         return self.stages * (self.bm + self.bn) * 64 * 2 + 1024
@@ -189,7 +195,7 @@ class GroupedGemm:
 
     def gate_up(self, xp: int, tok: int, w13: int, tile_table: int, h: int, n_tiles: int, inter: int, k: int,
                 row_tiles: int, stream: object = None) -> None:
-        """h[p, i] = act(gate . x', up . x') for rows p of each tile: w13 the GEMV tiles of gate and
+        """h[p, i] = act(gate . x', up . x') for rows p of each tile (at most packed_rows rows a tile): w13 the GEMV tiles of gate and
         up ([E][row_tiles][K/32][2][2][32] 16-byte fragments), x' from permute_k, h [P, inter] bf16."""
         from cuda.core import LaunchConfig, launch
 
@@ -279,7 +285,7 @@ class PrefillExperts:
                 "y": ((p, self.h), "float32")}
 
     def max_tiles(self, n: int) -> int:
-        return -(-n * self.k // self.tiles.bm) + self.e
+        return -(-n * self.k // self.tiles.packed_rows) + self.e
 
     def __call__(self, n: int, x: int, ids: int, wts: int, w13: int, w2: int, out: int, ws: dict[str, int],
                  stream: object = None) -> None:
@@ -299,7 +305,7 @@ class PrefillExperts:
 
         go("permute", (-(-self.h // 512), n), 256, u64(x), u64(ws["xp"]), i32(self.h))
         go("count", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), u64(ws["counts"]))
-        go("scan", (1, 1), 1024, u64(ws["counts"]), i32(chunks), i32(self.e), i32(t.bm), i32(max_tiles),
+        go("scan", (1, 1), 1024, u64(ws["counts"]), i32(chunks), i32(self.e), i32(t.packed_rows), i32(max_tiles),
            u64(ws["first"]), u64(ws["tiles"]))
         go("place", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), i32(self.k), u64(ws["counts"]),
            u64(ws["first"]), u64(ws["tok"]), u64(ws["slot"]))

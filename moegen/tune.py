@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import tempfile
+from dataclasses import asdict, fields
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,21 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
             + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)) + tuple(Tuning(fused=f) for f in (1, 2, 4)))
 
 
-def _valid(spec: Spec) -> list[tuple[Tuning, Plan]]:
+def _label(t: Tuning) -> str:
+    """A variant's short name: warps x down tiles, then each other choice that is not the analytic one."""
+    return f"{t.warps}x{t.down_tiles}" + "".join(
+        f" {f.name}" + ("" if isinstance(v, bool) else f"={v}")
+        for f in fields(Tuning) if f.name not in ("warps", "down_tiles") and (v := getattr(t, f.name)) != f.default)
+
+
+def _valid(spec: Spec, only: tuple[str, ...] = ()) -> list[tuple[Tuning, Plan]]:
+    """The variants that the kernels can take; with `only`, the analytic plan and the variants
+    that change one of those choices."""
+    default = Tuning()
     out = []
     for v in VARIANTS:
+        if only and v != default and all(getattr(v, f) == getattr(default, f) for f in only):
+            continue
         try:
             out.append((v, make_plan(spec, tuning=v)))
         except PlanError:
@@ -40,14 +53,14 @@ def _valid(spec: Spec) -> list[tuple[Tuning, Plan]]:
 
 
 def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "generated", write: bool = False,
-             layers: int = 4) -> int:
+             layers: int = 4, only: tuple[str, ...] = ()) -> int:
     from cuda.core import Device
 
     from .bench import _layer_count, _random_weights, _random_x, _Timer, time_stack
     from .runtime import load
 
     spec = load_spec(spec_path)
-    variants = _valid(spec)
+    variants = _valid(spec, only)
     default = Tuning()
     tokens = tokens or [1, 8, 64]
     device = Device()
@@ -79,22 +92,15 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
 
     best = min(table, key=score)
     print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
-    print(f"{'warps':>5} {'tiles':>5} {'pf':>3} {'ks':>3} {'fused':>5} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
+    print(f"{'variant':<24} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
     for t in table:
         mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
-        print(f"{t.warps:>5} {t.down_tiles:>5} {'yes' if t.prefetch else 'no':>3} {t.router_split or '-':>3} "
-              f"{t.fused or '-':>5} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens)
-              + f"   {score(t):>6.3f}{mark}")
+        print(f"{_label(t):<24} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens) + f"   {score(t):>6.3f}{mark}")
     if write:
         p = tuning_path(out_root, spec.name)
         p.parent.mkdir(parents=True, exist_ok=True)
-        rec: dict[str, Any] = {"warps": best.warps, "down_tiles": best.down_tiles, "prefetch": best.prefetch,
-                               "router_split": best.router_split, "fused": best.fused, "gpu": device.name, "date": date.today().isoformat(),
-                               "us": {f"{t.warps}x{t.down_tiles}{'pf' if t.prefetch else ''}"
-                                      f"{f'ks{t.router_split}' if t.router_split else ''}"
-                                      f"{f'f{t.fused}' if t.fused else ''}": table[t] for t in table}}
+        rec: dict[str, Any] = {**asdict(best), "gpu": device.name, "date": date.today().isoformat(),
+                               "us": {_label(t): table[t] for t in table}}
         p.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"{p}: warps={best.warps}, down_tiles={best.down_tiles}, prefetch={best.prefetch}, "
-              f"router_split={best.router_split or 'analytic'}, fused={best.fused or 'off'} "
-              "(rebuild the spec to use it)")
+        print(f"{p}: {_label(best)} (rebuild the spec to use it)")
     return 0

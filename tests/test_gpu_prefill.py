@@ -67,7 +67,7 @@ def test_gate_up_on_packed_weights_matches_numpy(tiles):
     packed = pack_tiles([gate.view(np.uint16), up.view(np.uint16)], inter)  # [E, I/16, K/32, 2, 2, 32, 8]
     ids = rng.integers(0, e_count - 1, (tokens, 2))
     tok, _, counts = group_by_expert(ids, e_count)
-    table = tile_table(counts, tiles.bm)
+    table = tile_table(counts, tiles.packed_rows)
     dev = {n: torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if a.dtype == np.uint16 else a.dtype)).cuda()
            for n, a in
            (("xp", permute_k(x.view(np.uint16))), ("tok", tok), ("w", packed), ("tiles", table.reshape(-1)))}
@@ -83,8 +83,9 @@ def test_gate_up_on_packed_weights_matches_numpy(tiles):
     _check_rows(_host(h).astype(np.float64), permute_k(g / (1.0 + np.exp(-g)) * u), tiles.gate_up_name)
 
 
-@pytest.mark.parametrize("down_mats", [1, 2])
-def test_prefill_experts_match_numpy(down_mats):
+@pytest.mark.parametrize(("down_mats", "tiles"), [(1, GemmTiles()), (2, GemmTiles()), (2, GemmTiles(bn=64))],
+                         ids=["m1", "m2", "m2-bn64"])
+def test_prefill_experts_match_numpy(down_mats, tiles):
     """The whole routed-expert prefill from packed weights (permute, group, gate/up, down,
     combine) against float64 NumPy on the same bf16 values: uneven experts, an expert without
     tokens, some zero-expert entries (weight * x); the output poisoned first."""
@@ -106,7 +107,7 @@ def test_prefill_experts_match_numpy(down_mats):
     ids[:120, 0] = 0  # expert 0 has more than a tile; expert e_count - 1 none
     ids[::37, 1] = e_count + 1  # zero experts: weight * x
     wts = rng.uniform(0.1, 1.0, (n, top_k)).astype(np.float32)
-    layer = PrefillExperts(e_count, hidden, inter, top_k, down_mats)
+    layer = PrefillExperts(e_count, hidden, inter, top_k, down_mats, tiles)
 
     def dev(a):
         a = np.ascontiguousarray(a)
@@ -130,4 +131,4 @@ def test_prefill_experts_match_numpy(down_mats):
             g, u = gate[e].astype(np.float64) @ xf[t], up[e].astype(np.float64) @ xf[t]
             h = (g / (1.0 + np.exp(-g)) * u).astype(ml_dtypes.bfloat16).astype(np.float64)  # H is bf16
             want[t] += wts[t, j] * (down[e].astype(np.float64) @ h)
-    _check_rows(_host(out).astype(np.float64), want, f"prefill experts, down tiles x{down_mats}")
+    _check_rows(_host(out).astype(np.float64), want, f"prefill experts, down tiles x{down_mats}, {tiles.gate_up_name}")
