@@ -90,6 +90,29 @@ def copy_bandwidth(timer: _Timer, device: Any, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def matrix_rate(timer: _Timer) -> float | None:
+    """FLOP/s of a dense 8192^3 bf16 matrix product (PyTorch's, on the timer's stream), the
+    ceiling the prefill buckets are measured against; None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    m = 8192
+    a, b = (torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.ExternalStream(int(timer.stream))
+    with torch.cuda.stream(stream):
+        torch.mm(a, b, out=c)
+        ms = timer.median_ms(lambda: torch.mm(a, b, out=c), 20)
+    return 2.0 * m**3 / (ms * 1e-3)
+
+
+def expert_flops(plan: Plan, n: int) -> float:
+    """FLOPs of the routed experts for n tokens (gate, up and down for each of the top_k choices)
+    and of the shared expert: what the prefill buckets' TFLOP/s count."""
+    return 2.0 * n * 3 * plan.hidden * (plan.top_k * plan.inter + plan.shared_inter)
+
+
 def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
     """Random weights of the plan's formats (FP8 block: e4m3 codes with per-block scales),
     made on the device with PyTorch when it is there (host NumPy is slow at these sizes)."""
@@ -215,6 +238,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     props = device.properties
     tokens = tokens or [b.max_tokens for b in plan.buckets]
     rows = []
+    rate: float | None = None
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
         ms = time_stack(timer, stack, xs) / 1e3
@@ -223,6 +247,13 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
         need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
+        if plan.prefill_from and n > _decode_max(plan):  # a prefill bucket: tensor-core throughput
+            row["tflops"] = expert_flops(plan, n) / (ms * 1e-3) / 1e12
+            if rate is None:
+                rate = matrix_rate(timer) or 0.0
+            if rate:
+                row["matrix_rate_tflops"] = rate / 1e12
+                row["matrix_fraction"] = row["tflops"] * 1e12 / rate
         if stages:
             row["stages_us"] = _stage_times(timer, stack, xs, n)
         if compare:
@@ -237,6 +268,11 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     return {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
             "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
             "rows": rows}
+
+
+def _decode_max(plan: Plan) -> int:
+    """The largest token count of the decode buckets (those before prefill_from)."""
+    return max((b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from), default=0)
 
 
 def time_stack(timer: _Timer, stack: list[Layer], xs: list[Any]) -> float:
@@ -295,5 +331,8 @@ def _print(r: dict) -> None:
         for name in ("torch_loop", "torch_grouped_mm"):
             if f"{name}_us" in row:
                 st += f" {name}={row[f'{name}_us']:.1f}us (x{row[f'speedup_vs_{name}']:.2f})"
+        if "tflops" in row:
+            st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f})"
+                                                    if "matrix_fraction" in row else "") + " " + st)
         print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
               f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%}  {st.strip()}")

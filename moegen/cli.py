@@ -85,7 +85,7 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
     from .spec import not_generated
 
     r = import_config(args.config, layer=args.layer, name=args.name, model=args.model, out=args.out,
-                      minimal=args.minimal)
+                      minimal=args.minimal, max_tokens=args.max_tokens)
     if args.out is None:
         sys.stdout.write(r.text)
     else:
@@ -117,6 +117,8 @@ def _add_spec_commands(sub: argparse._SubParsersAction) -> None:
     i.add_argument("-o", "--out", default=None, help="write the YAML here (default: stdout)")
     i.add_argument("--name", default=None, help="spec name (default: the -o file's stem, else the repo name)")
     i.add_argument("--model", default=None, help="repo id org/name (default: _name_or_path or the HF cache path)")
+    i.add_argument("--max-tokens", type=int, default=None,
+                   help="the largest N a call may pass (default 256; prefill buckets need more)")
     i.add_argument("--minimal", action="store_true",
                    help="write only fields that differ from the schema defaults (default: the routing rule in full)")
     i.set_defaults(fn=_cmd_import_hf)

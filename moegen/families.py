@@ -95,6 +95,9 @@ class Tuning:
     # (0: none, the analytic plan: measured on the H200 it gained 4% at N = 1 for Qwen3-30B-A3B
     # and lost elsewhere, see the README).
     fused: int = 0
+    # The token count from which buckets (those whose largest N reaches it) run the prefill
+    # kernels (0: the analytic one, moegen.prefill_plan.prefill_from; past max_tokens: never).
+    prefill_from: int = 0
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -106,6 +109,8 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
+        if self.prefill_from < 0:
+            raise TuningError(f"tuning prefill_from={self.prefill_from}: 0 (analytic) or a token count")
         if self.fused < 0:
             raise TuningError(f"tuning fused={self.fused}: 0 (off) or the largest bucket to fuse")
         kc = h // 32

@@ -394,9 +394,11 @@ def _model_id(data: dict[str, Any], path: Path, model: str | None) -> str:
 
 
 def import_config(path: str | Path, layer: int | None = None, name: str | None = None, model: str | None = None,
-                  out: str | Path | None = None, check_generated: bool = False, minimal: bool = False) -> Imported:
+                  out: str | Path | None = None, check_generated: bool = False, minimal: bool = False,
+                  max_tokens: int | None = None) -> Imported:
     """The Spec of one MoE layer of a Hugging Face config.json, and its YAML text (minimal: only
-    the fields that differ from the schema defaults; else the routing rule is written in full)."""
+    the fields that differ from the schema defaults; else the routing rule is written in full).
+    max_tokens: the largest N a call may pass (the schema's default where None)."""
     p = Path(path)
     data = read_config(p)
     key, fam = family_of(data, str(p))
@@ -408,7 +410,7 @@ def import_config(path: str | Path, layer: int | None = None, name: str | None =
     if not name:
         stem = Path(out).stem if out else model_id.rsplit("/", 1)[-1]
         name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._") or "model"
-    d = {"name": name, "model": model_id, "hidden_size": c.need("hidden_size"), **body}
+    d = {"name": name, "model": model_id, "hidden_size": c.need("hidden_size"), **body, "max_tokens": max_tokens}
     d = {k: v for k, v in d.items() if v is not None}
     spec = parse_spec(d, f"{p} (layer {L})", check_generated=check_generated)
     return Imported(spec, key, L, to_yaml(spec, fam, c, minimal))

@@ -16,6 +16,9 @@ The analytic model (decode is memory-bound):
   (families.fused_max: each pair of gate/up tiles computes down's partial sums over its K chunk,
   a combine kernel adds them in order; the partials must stay within an eighth of L2). Measured,
   that saved no dependent launch (the combine is one), so the analytic plan does not fuse.
+- past the point where the routed experts get more tokens each than one GEMV pass takes (8*MAX_NT
+  on average), the GEMV tiles would be read again per pass: those buckets run the routed experts
+  as grouped GEMMs on the tensor cores instead (moegen.prefill_plan), on the same packed weights.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import families as F
+from . import prefill_plan as P
 from .families import NORM_THREADS, WARPS
 from .spec import Select, Spec
 
@@ -68,6 +72,7 @@ class Launch:
     grid: tuple[int | str, int]  # "n" = the call's token count
     block: int
     pdl: bool  # programmatic dependent launch on the previous kernel
+    smem: int = 0  # dynamic shared memory, bytes
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class Plan:
     norm_rule: tuple[tuple[str, str, str], ...]  # and its NormRule
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
+    prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -233,25 +239,30 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         add(kernel)
     sizes = _buckets(spec)
     nf = F.fused_max(c, target, sizes)
-    buckets = tuple(_bucket(c, nb, add, norm_name, route_name, nf) for nb in sizes)
+    pf = P.prefill_from(c)
+    buckets = tuple(_bucket(c, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
+    pf = min((b.max_tokens for b in buckets if pf and b.max_tokens >= pf), default=0)  # the first prefill bucket
     return Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
-        kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf),
+        kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
                              "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
-           if nf else {}),
+           if nf else {"kernel_order": ("router (+ route)", "route", "gate_up", "down + combine",
+                                         f"from {pf} tokens, after the route: permute", "count", "scan", "place",
+                                         "gate/up GEMM", "down GEMM", "combine")} if pf else {}),
     )
 
 
-def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int) -> Bucket:
+def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int,
+            pf: int) -> Bucket:
     """The launches for calls of up to nb tokens: the norm (where the layer has it), the router
-    (and the route), then up to nf (fused_max) the fused expert kernel and the combine, past it
-    gate/up and down."""
+    (and the route), then up to nf (fused_max) the fused expert kernel and the combine, from pf
+    (prefill_from, 0: never) the prefill kernels, between them gate/up and down."""
     slots = min(c.e_local, nb * c.k)
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
@@ -261,6 +272,8 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
     )
+    if pf and nb >= pf:
+        return Bucket(nb, (*head, *P.launches(c, nb, add)))
     if nb <= nf:
         fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
         return Bucket(nb, (*head, Launch(add(fk), (slots * (c.i // 16) + c.si // 16, 1), fk.threads, pdl=True),
@@ -289,7 +302,7 @@ def _quant_grid(warps: int) -> int:
     return max(1, min(-(-warps // (F.QUANT_THREADS // 32)), 4 * 132))
 
 
-def _workspace(c: F.Layer, nf: int = 0) -> tuple[Buffer, ...]:
+def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
@@ -323,6 +336,7 @@ def _workspace(c: F.Layer, nf: int = 0) -> tuple[Buffer, ...]:
         # the fused kernel's partial sums over down's K chunks (buckets up to nf tokens)
         Buffer("part", "float32", (i // 32, nf * k, h) if nf else (1,)),
         Buffer("part_s", "float32", (si // 32, nf, h) if nf and si else (1,)),
+        *P.workspace(c, prefill),
     )
 
 
@@ -386,7 +400,8 @@ def plan_from_dict(d: dict) -> Plan:
     d = dict(d)
     d["kernels"] = tuple(Kernel(**{k: tuple(v) if isinstance(v, list) else v for k, v in x.items()})
                          for x in d["kernels"])
-    d["buckets"] = tuple(Bucket(b["max_tokens"], tuple(Launch(x["kernel"], tuple(x["grid"]), x["block"], x["pdl"])
+    d["buckets"] = tuple(Bucket(b["max_tokens"], tuple(Launch(x["kernel"], tuple(x["grid"]), x["block"], x["pdl"],
+                                                             x.get("smem", 0))
                                                       for x in b["launches"])) for b in d["buckets"])
     d["workspace"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["workspace"])
     d["weights"] = tuple(PackedWeight(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()})

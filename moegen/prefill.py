@@ -81,19 +81,27 @@ SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "
         ("bool", "SHARED_LIMIT", "false"), ("bool", "EXPERT_BIAS", "false"))
 
 
-def render_grouped_gemm(t: GemmTiles, act_rule: tuple[tuple[str, str, str], ...] = SILU) -> str:
-    """The CUDA source of the grouped-GEMM kernels of one tile shape (the common header and the
-    activation rule included), for NVRTC: the plain GEMM, and with bn <= 128 (two accumulator sets
-    in registers) the gate/up GEMM on packed weights."""
+def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS) -> dict:
+    """The arguments of templates/grouped_gemm.cu.j2 for tile shape t: standalone adds the extern
+    kernels of this module (the plain GEMM, gate/up and down for each of down_mats, grouping,
+    combine, permute); a layer's source calls the device functions from its own kernels."""
     n = t.bn // 2
-    g = {
+    return {
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
-        "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": DOWN_MATS,
+        "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
+        "standalone": standalone,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
         "acc_regs": ", ".join(f"%{i}" for i in range(n)),
         "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(n)),
     }
+
+
+def render_grouped_gemm(t: GemmTiles, act_rule: tuple[tuple[str, str, str], ...] = SILU) -> str:
+    """The CUDA source of the grouped-GEMM kernels of one tile shape (the common header and the
+    activation rule included), for NVRTC: the plain GEMM, and with bn <= 128 (two accumulator sets
+    in registers) the gate/up GEMM on packed weights."""
+    g = grouped_args(t)
     parts = [env().get_template("common.cuh.j2").render(),
              env().get_template("act.cuh.j2").render(plan=SimpleNamespace(act_rule=act_rule)),
              env().get_template("grouped_gemm.cu.j2").render(g=g)]
@@ -153,16 +161,6 @@ def _load(tiles: GemmTiles, arch: str, device: object) -> tuple[object, object]:
     return device, ObjectCode.from_cubin(compiled.cubin)
 
 
-def _allow_smem(kernel: object, size: int, device: object) -> None:
-    """Let `kernel` have `size` bytes of dynamic shared memory (more than the 48 KB it gets unasked)."""
-    from .runtime import _driver, _ok
-
-    drv = _driver()
-    _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size,
-                                 kernel.handle, drv.CUdevice(int(device.device_id))),
-        "allowing a prefill kernel its shared memory")
-
-
 class GroupedGemm:
     """One compiled grouped-GEMM kernel on a device: y[p, :] = x[tok[p], :] @ w[e].T for the
     rows p of each tile (expert e). Pointers are raw device addresses (bf16 x [T, K], int32 tok
@@ -170,13 +168,15 @@ class GroupedGemm:
     K % 64 == 0."""
 
     def __init__(self, tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
+        from .runtime import allow_smem
+
         self.tiles = tiles
         self.device, module = _load(tiles, arch, device)
         self.kernel = module.get_kernel(tiles.name)
         self.gate_up_kernel = module.get_kernel(tiles.gate_up_name) if tiles.bn <= 128 else None
         for kern, size in ((self.kernel, tiles.smem_bytes), (self.gate_up_kernel, tiles.gate_up_smem_bytes)):
             if kern is not None:
-                _allow_smem(kern, size, self.device)
+                allow_smem(kern, size, self.device)
 
     def __call__(self, x: int, tok: int, w: int, tile_table: int, y: int, n_tiles: int, n_out: int, k: int,
                  stream: object = None) -> None:
@@ -265,6 +265,8 @@ class PrefillExperts:
         if inter % 64 or hidden % 64 or (inter // 16) % warps or (hidden // 16) % warps or (hidden // 16) % down_mats:
             raise ValueError(f"prefill: I={inter} and H={hidden} must be multiples of 64 with whole blocks of "
                              f"{warps} 16-row tiles")
+        from .runtime import allow_smem
+
         self.e, self.h, self.i, self.k, self.tiles = experts, hidden, inter, top_k, tiles
         self.device, module = _load(tiles, arch, device)
         names = {"count": "moe_prefill_group_count", "scan": "moe_prefill_group_scan",
@@ -273,7 +275,7 @@ class PrefillExperts:
                  "down": f"{tiles.down_name}_m{down_mats}"}
         self.kern = {k: module.get_kernel(v) for k, v in names.items()}
         for k, size in (("gate_up", tiles.gate_up_smem_bytes), ("down", tiles.down_smem_bytes)):
-            _allow_smem(self.kern[k], size, self.device)
+            allow_smem(self.kern[k], size, self.device)
 
     def workspace(self, n: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Buffer shapes and dtypes for n tokens."""

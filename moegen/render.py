@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import pprint
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 
 from . import __version__
-from .plan import Plan
-from .spec import Spec
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .spec import Spec
 
 CUDA_FILE = "layer.cu"
 LAUNCHER_FILE = "launcher.py"
@@ -48,8 +51,15 @@ def env() -> jinja2.Environment:
 
 
 def render_cuda(spec: Spec, plan: Plan) -> str:
+    g = None
+    if plan.prefill_from:  # the grouped-GEMM device functions, at the plan's tile shape
+        from .prefill import grouped_args
+        from .prefill_plan import TILES
+
+        w2 = next(w for w in plan.weights if w.name == "w2")
+        g = grouped_args(TILES, standalone=False, down_mats=(w2.mats,))
     return env().get_template("layer.cu.j2").render(
-        spec=spec, plan=plan, version=__version__, spec_digest=spec.digest()
+        spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(), g=g
     )
 
 

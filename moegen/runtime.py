@@ -153,6 +153,17 @@ def _by_experts(pieces: Mapping[str, list[tuple[str, Any]]], sources: tuple[str,
     return out
 
 
+STATIC_SMEM_LIMIT = 48 * 1024  # what a kernel gets without asking
+
+
+def allow_smem(kernel: Any, size: int, device: Any) -> None:
+    """Let `kernel` have `size` bytes of dynamic shared memory (more than the 48 KB it gets unasked)."""
+    drv = _driver()
+    _ok(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size,
+                                 kernel.handle, drv.CUdevice(int(device.device_id))),
+        "allowing a kernel its dynamic shared memory")
+
+
 class Layer:
     """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
 
@@ -165,6 +176,13 @@ class Layer:
         self.device_id = int(self.device.device_id)
         module = ObjectCode.from_cubin(cubin)
         self._kernels = {name: module.get_kernel(name) for name in kernel_names}
+        smem: dict[str, int] = {}
+        for b in plan.buckets:
+            for ln in b.launches:
+                smem[ln.kernel] = max(smem.get(ln.kernel, 0), ln.smem)
+        for name, size in smem.items():
+            if size > STATIC_SMEM_LIMIT:
+                allow_smem(self._kernels[name], size, self.device)
         sizes = {b.name: int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in plan.workspace}
         self.workspace = Memory(self.device, sizes)
         # Counters (tile_done) start at zero and the kernels leave them at zero.
@@ -395,7 +413,8 @@ class Layer:
         if cfg is None:
             ln = self.plan.buckets[bi].launches[li]
             gx = n if ln.grid[0] == "n" else int(ln.grid[0])
-            cfg = self._configs[key] = LaunchConfig(grid=(gx, int(ln.grid[1])), block=ln.block,
+            gy = n if ln.grid[1] == "n" else int(ln.grid[1])
+            cfg = self._configs[key] = LaunchConfig(grid=(gx, gy), block=ln.block, shmem_size=ln.smem,
                                                      programmatic_stream_serialization=ln.pdl and _PDL)
         return cfg
 

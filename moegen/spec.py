@@ -122,7 +122,7 @@ class Spec(_Frozen):
     routing: Routing = Routing()
     pre_expert_norm: RMSNorm | None = None
     parallel: Parallel = Parallel()
-    max_tokens: Annotated[int, Field(gt=0, le=4096)] = 256
+    max_tokens: Annotated[int, Field(gt=0, le=65536)] = 256
     buckets: tuple[Positive, ...] | None = None  # upper token counts of the buckets
     batch_invariant: bool = False  # one reduction order for every N: no fused small-batch buckets
 

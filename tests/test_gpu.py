@@ -211,11 +211,20 @@ def _check_rows(got: np.ndarray, ref: np.ndarray, what: str) -> float:
     return float(err.max())
 
 
+def _prefill_ends(plan: Any) -> tuple[int, ...]:
+    """The smallest and largest N of the first prefill bucket (none without prefill buckets)."""
+    if not plan.prefill_from:
+        return ()
+    below = [b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from]
+    return (max(below, default=0) + 1, plan.prefill_from)
+
+
 def test_matches_reference(case: Case):
     """All token counts of the GPU tier, one reference pass over all of them."""
     import torch
 
-    counts = sorted({1, 2, 3, 7, 16, 64, min(129, case.plan.max_tokens), case.plan.max_tokens})
+    counts = sorted({1, 2, 3, 7, 16, 64, min(129, case.plan.max_tokens), *_prefill_ends(case.plan)}
+                    | ({case.plan.max_tokens} if case.plan.max_tokens <= 1024 else set()))
     xs, outs, ids, ws, tids = [], [], [], [], []
     for n in counts:
         x = torch.randn(n, case.plan.hidden, device="cuda", dtype=torch.bfloat16)
@@ -244,10 +253,13 @@ def test_matches_reference(case: Case):
         start += n
 
 
-def test_graph_replay_and_determinism(case: Case):
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_graph_replay_and_determinism(case: Case, path: str):
     import torch
 
-    n = min(7, case.plan.max_tokens)
+    if path == "prefill" and not case.plan.prefill_from:
+        pytest.skip(f"{case.spec.name} has no prefill buckets")
+    n = min(7, case.plan.max_tokens) if path == "decode" else _prefill_ends(case.plan)[0]
     x = torch.randn(n, case.plan.hidden, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(x)
     stream = torch.cuda.Stream()
@@ -286,6 +298,12 @@ def test_batch_invariance(case: Case):
     mixed = torch.cat([x[40:43], five.flip(0)]).contiguous()
     a, b = _run(case, five, torch), _run(case, mixed, torch)
     assert torch.equal(b[3:].flip(0).view(torch.int16), a.view(torch.int16))
+    if case.plan.prefill_from:  # the first prefill bucket: its smallest N among its largest N's tokens
+        lo, hi = _prefill_ends(case.plan)
+        xp = torch.randn(hi, case.plan.hidden, device="cuda", dtype=torch.bfloat16)
+        full_p = _run(case, xp, torch)
+        part_p = _run(case, xp[:lo].flip(0).contiguous(), torch)
+        assert torch.equal(part_p.flip(0).view(torch.int16), full_p[:lo].view(torch.int16)), "prefill bucket"
     if case.spec.batch_invariant:  # one reduction order for every N: token 3 alone
         alone = _run(case, x[3:4].contiguous(), torch)
         assert torch.equal(alone.view(torch.int16), full[3:4].view(torch.int16))

@@ -26,11 +26,22 @@ class FakeDriver:
     """The cuda.bindings.driver calls the runtime makes, recorded; memory is fake addresses."""
 
     CUresult = SimpleNamespace(CUDA_SUCCESS=0)
+    CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic_smem")
 
     def __init__(self) -> None:
         self.top = 1 << 32
         self.live: dict[int, int] = {}
         self.copies: list[tuple[str, int, int]] = []
+        self.smem: dict[str, int] = {}  # kernel -> dynamic shared memory allowed
+
+    @staticmethod
+    def CUdevice(i: int) -> int:  # noqa: N802 (the driver's name)
+        return i
+
+    def cuKernelSetAttribute(self, attr: str, value: int, kernel: str, dev: int) -> tuple[int]:
+        assert attr == "max_dynamic_smem" and dev == 0
+        self.smem[kernel] = value
+        return (0,)
 
     def cuMemAlloc(self, size: int) -> tuple[int, int]:
         ptr, self.top = self.top, self.top + (size + 4095) // 4096 * 4096 + 4096
@@ -62,6 +73,14 @@ class FakeDriver:
         return any(base <= ptr and ptr + n <= base + size for base, size in self.live.items())
 
 
+class FakeKernel(str):
+    """A loaded kernel: its name, and its name as the driver's handle."""
+
+    @property
+    def handle(self) -> str:
+        return str(self)
+
+
 class Recorder:
     def __init__(self) -> None:
         self.launches: list[tuple[str, Any, tuple[Any, ...]]] = []
@@ -84,7 +103,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeDriver, Recorder]:
     monkeypatch.setattr(cuda.core, "launch", rec.launch)
     monkeypatch.setattr(cuda.core, "LaunchConfig", lambda **kw: SimpleNamespace(**kw))
     monkeypatch.setattr(cuda.core, "ObjectCode", SimpleNamespace(from_cubin=lambda b: SimpleNamespace(
-        get_kernel=lambda name: name)))
+        get_kernel=FakeKernel)))
     real_view = runtime.view
     monkeypatch.setattr(runtime, "view", lambda o, name: o.v if isinstance(o, FakeArray) else real_view(o, name))
     return drv, rec
@@ -122,6 +141,7 @@ SMALL = {
                             "renormalize": True, "routed_scaling_factor": 2.5}},
     "fp8": {"experts": {"count": 16, "top_k": 4, "intermediate_size": 256, "format": "fp8_block"},
             "shared_expert": {"intermediate_size": 256, "format": "fp8_block"}},
+    "prefill": {"experts": {"count": 16, "top_k": 2, "intermediate_size": 256}, "max_tokens": 1024},
 }
 SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **CASES}.items()]
 
@@ -171,6 +191,23 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
                 if needed:
                     assert int(arg) != 0, f"{kernel}: argument {key} is a null pointer"
             assert dict(zip(k.arg_keys, args)).get("n", n) == n
+        for (kernel, config, _), ln in zip(rec.launches, bucket.launches):
+            assert config.shmem_size == ln.smem
+            if ln.smem > 48 * 1024:  # asked for at load
+                assert drv.smem[kernel] >= ln.smem, f"{kernel}: {ln.smem} bytes of shared memory not allowed"
+
+
+def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
+    """Past the plan's crossover (mean tokens per expert beyond the GEMV path's widest pass) the
+    buckets run the prefill kernels after the route, the GEMMs with their shared memory."""
+    plan = make_plan(dict(SPECS)["prefill"])
+    assert plan.prefill_from == 512  # 16 experts, top-2: 32 tokens each on average at N = 256
+    assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [512, 1024]
+    fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
+    assert fams == ["router", "route", "prefill_permute", "prefill_count", "prefill_scan", "prefill_place",
+                    "prefill_gemm_gate_up", "prefill_gemm_down", "prefill_combine"]
+    assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-2] for ln in b.launches)
+    _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
 
 
 def test_numpy_scalars_are_0d_weights(fake_cuda):

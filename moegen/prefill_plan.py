@@ -1,0 +1,162 @@
+"""The prefill buckets of a plan: from which token count a layer's calls run the routed experts
+as grouped GEMMs on the tensor cores (templates/grouped_gemm.cu.j2) instead of the GEMV tiles,
+the kernels that do it, their launches and their workspace.
+
+A prefill bucket runs the norm (where the layer has one), the router and the route kernel as a
+decode bucket does (they write each token's experts and weights), then:
+permute (X', K in the packed tiles' order) -> count, scan, place (tokens grouped by expert, a
+stable counting sort; the tile table) -> gate/up GEMM with the activation (H', bf16) -> down GEMM
+(Y, fp32 per (token, choice) row) -> combine (the weighted sum of a token's choices in choice
+order, zero experts adding weight * x). The GEMMs read the decode path's packed weights (no
+second copy) as wgmma's register operand. Every output element is one fixed sequence of k-steps,
+whatever the other tokens: batch-invariant within the bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
+
+if TYPE_CHECKING:
+    from .families import Layer
+    from .plan import Buffer, Kernel, Launch
+
+TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
+TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
+GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
+EW_THREADS = 256  # permute and combine
+
+
+def unsupported(c: Layer) -> str:
+    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16
+    SiLU-gated routed experts without biases, all on this device."""
+    spec = c.spec
+    checks = (
+        (c.fmt_e != "bf16", f"experts.format={c.fmt_e}"),
+        (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
+        (c.si > 0, "a shared expert"),
+        (c.bias, "expert biases"),
+        (c.woi, "routing weights on the input"),
+        (c.ep_size > 1, "expert parallelism"),
+        (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
+        (c.e_local > MAX_EXPERTS, f"more than {MAX_EXPERTS} experts"),
+        (c.h % 64 or c.i % 64, "hidden and expert widths not multiples of 64"),
+        ((c.i // 16) % (TILES.threads // 32) or (c.h // 16) % (TILES.threads // 32),
+         f"widths not whole blocks of {TILES.threads // 32} 16-row tiles"),
+        (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
+    )
+    return "; ".join(why for bad, why in checks if bad)
+
+
+def prefill_from(c: Layer) -> int:
+    """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: where
+    the routed experts get TOKENS_PER_EXPERT tokens each on average, past which the GEMV path
+    reads each expert's weights more than once; a tuning may move it."""
+    if unsupported(c):
+        return 0
+    if c.tune.prefill_from:
+        return c.tune.prefill_from
+    return math.ceil(TOKENS_PER_EXPERT * c.e / c.k) + 1
+
+
+def max_tiles(c: Layer, tokens: int) -> int:
+    """Tiles the routing of `tokens` tokens can make: each expert's rows cut at the tile's tokens."""
+    return -(-tokens * c.k // TILES.packed_rows) + c.e_local
+
+
+def chunks(c: Layer, tokens: int) -> int:
+    return -(-tokens * c.k // GROUP_THREADS)
+
+
+def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
+    """X', the per-chunk counts, each expert's first row and the tile table (token rows, the
+    choices' rows, H' and Y reuse the decode path's slot_token, pair_pos, act and y)."""
+    from .plan import Buffer
+
+    n = c.nmax
+    return (
+        Buffer("xp", "uint16", (n, c.h) if on else (1,)),
+        Buffer("counts", "int32", (chunks(c, n) * c.e_local,) if on else (1,)),
+        Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
+        Buffer("tiles", "int32", (max_tiles(c, n) * 3,) if on else (1,)),
+    )
+
+
+def kernels(c: Layer) -> dict[str, Kernel]:
+    """The prefill kernels of the layer, by family."""
+    from .plan import Kernel
+
+    e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
+    t, warps = TILES, TILES.threads // 32
+    ids = ("const int* __restrict__ ids", "ids", "ws.topk_ids")
+    counts = ("int* __restrict__ counts", "counts", "ws.counts")
+    first = ("int* __restrict__ first", "first", "ws.first")
+    tiles = ("int* __restrict__ tiles", "tiles", "ws.tiles")
+    tok = ("int* __restrict__ tok", "tok", "ws.slot_token")
+    slot = ("int* __restrict__ slot", "slot", "ws.pair_pos")
+    n = ("int n", None, "n")
+
+    def kern(family: str, name: str, threads: int, targs: tuple[str, ...], sig: tuple, args: tuple[str, ...],
+             body: str, comment: str) -> Kernel:
+        return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
+                      tuple(s[2] for s in sig), body, comment)
+
+    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}"
+    return {
+        "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
+                        (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
+                        ("x", "xp", str(h), "blockIdx.x", f"blockIdx.y * {EW_THREADS} + threadIdx.x"),
+                        "prefill_permute_body", "prefill: X' (each 32-wide K chunk in the packed tiles' order)"),
+        "count": kern("count", f"count_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, n),
+                      ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
+                      "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
+        "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}", GROUP_THREADS, (),
+                     (counts, first, tiles, n),
+                     ("counts", f"(n * {k} + {GROUP_THREADS - 1}) / {GROUP_THREADS}", str(e), str(t.packed_rows),
+                      str(max_tiles(c, c.nmax)), "first", "tiles"), "prefill_scan_body",
+                     f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"),
+        "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
+                      ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
+                      "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.threads,
+                             ("true", "2"),
+                             (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
+                              ("const uint4* __restrict__ w13", None, "w.w13"), tiles,
+                              ("bf16_t* __restrict__ h", None, "ws.act")),
+                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16)), "prefill_gemm",
+                             f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
+                             f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
+        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{gemm}_m{c.tune.down_tiles}_bf16", t.threads,
+                          ("false", str(c.tune.down_tiles)),
+                          (("const bf16_t* __restrict__ hp", None, "ws.act"),
+                           ("const uint4* __restrict__ w2", None, "w.w2"), tiles, ("float* __restrict__ y", None, "ws.y")),
+                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16)), "prefill_gemm",
+                          f"prefill: Y = H' Wd per expert (fp32), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
+        "combine": kern("combine", f"combine_h{h}_k{k}", EW_THREADS, (),
+                        (("const float* __restrict__ y", None, "ws.y"), slot,
+                         ("const float* __restrict__ wts", None, "ws.topk_w"),
+                         ("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ out", None, "out")),
+                        ("y", "slot", "wts", "x", "out", str(h), str(k), "blockIdx.x",
+                         f"(blockIdx.y * {EW_THREADS} + threadIdx.x) * 4"), "prefill_combine_body",
+                        "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order"),
+    }
+
+
+def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
+    """The prefill kernels' launches for calls of up to nb tokens (after the router and route)."""
+    from .plan import Launch
+
+    ks = kernels(c)
+    t, warps = TILES, TILES.threads // 32
+    grids = {
+        "permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0),
+        "count": ((chunks(c, nb), 1), GROUP_THREADS, 0),
+        "scan": ((1, 1), GROUP_THREADS, 0),
+        "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
+        "gemm_gate_up": ((c.i // 16 // warps, max_tiles(c, nb)), t.threads, t.gate_up_smem_bytes),
+        "gemm_down": ((c.h // 16 // warps, max_tiles(c, nb)), t.threads, t.down_smem_bytes),
+        "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
+    }
+    return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())
