@@ -98,6 +98,8 @@ class Tuning:
     # The token count from which buckets (those whose largest N reaches it) run the prefill
     # kernels (0: the analytic one, moegen.prefill_plan.prefill_from; past max_tokens: never).
     prefill_from: int = 0
+    # The prefill GEMMs with a producer warpgroup and mbarriers (moegen.prefill.GemmTiles.ws).
+    prefill_ws: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -324,29 +326,33 @@ def _route_sig(c: Layer, routes: bool = True) -> Extra:
     return sig
 
 
-def route_kernel(c: Layer, desc: str) -> Kernel:
+def route_kernel(c: Layer, desc: str, slots: bool = True) -> Kernel:
     # It follows a router that leaves the partial sums added in partial 0: it reads one (KSPLIT 1).
-    name = f"moe_route_{c.route_tag}_n{c.nmax}_{c.spec.arch}"
+    # slots False (prefill buckets): the choices and weights only, no grouping by expert.
+    name = f"moe_route_{c.route_tag}_n{c.nmax}{'' if slots else '_noslots'}_{c.spec.arch}"
     threads = route_threads(c.e + c.z)
-    targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads))
+    targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads)) + (() if slots else ("false",))
     base = (("const float* __restrict__ logits", "logits", "ws.logits"), ("int* route_cnt", "route_cnt", "ws.route_cnt"),
             ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "route", threads, targs, base, _route_sig(c), "route_kernel_body",
-                   f"route: {desc}; one token per warp, the last block groups the tokens by expert")
+                   f"route: {desc}; one token per warp" + (", the last block groups the tokens by expert" if slots else ""))
 
 
-def router_kernel(c: Layer, nt: int, fused: bool) -> Kernel:
-    name = (f"moe_router_r{c.rows_pad}_h{c.h}_ks{c.ksplit}_nt{nt}_n{c.nmax}" + (f"_route_{c.route_tag}" if fused else "")
+def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0) -> Kernel:
+    """The router logits; ksplit 0: the layer's K split (prefill buckets pass 1: their grid's y
+    splits the tokens instead)."""
+    ks = ksplit or c.ksplit
+    name = (f"moe_router_r{c.rows_pad}_h{c.h}_ks{ks}_nt{nt}_n{c.nmax}" + (f"_route_{c.route_tag}" if fused else "")
             + f"_bf16_{c.spec.arch}")
     # Without the route, the route's parameters are fixed placeholders: the name carries all that shapes the code.
     rt = (str(c.e), str(c.k), _b(c.gated)) if fused else ("1", "1", "false")
-    targs = (*map(str, (c.h // 32, nt, WARPS, depth(1, nt), c.ksplit, c.rows_pad, c.nmax)), _b(fused), *rt)
+    targs = (*map(str, (c.h // 32, nt, WARPS, depth(1, nt), ks, c.rows_pad, c.nmax)), _b(fused), *rt)
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const bf16_t* __restrict__ x", "x", c.x_router),
             ("float* logits", "logits", "ws.logits"), ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c, fused), "router_logits_body",
-                   f"router: {c.rows_pad} rows x {c.h}, K split {c.ksplit} ways, {8 * nt} tokens per pass"
+                   f"router: {c.rows_pad} rows x {c.h}, K split {ks} ways, {8 * nt} tokens per pass"
                    + ("; the last block routes" if fused else "; each tile's last block adds its partials"
-                      if c.ksplit > 1 else ""))
+                      if ks > 1 else ""))
 
 
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:

@@ -148,6 +148,7 @@ class Plan:
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
+    prefill_ws: bool = False  # their GEMMs have a producer warpgroup (moegen.prefill.GemmTiles.ws)
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -248,6 +249,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
         kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
+        prefill_ws=c.tune.prefill_ws and pf > 0,
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
@@ -266,14 +268,21 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
     slots = min(c.e_local, nb * c.k)
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
+    norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
+    if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
+        router = F.router_kernel(c, nt_dense, False, ksplit=1)
+        route = F.route_kernel(c, _routing_desc(c.spec), slots=False)
+        return Bucket(nb, (
+            *norm,
+            Launch(add(router), (c.rows_pad // 16, -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
+            Launch(add(route), (-(-nb // (route.threads // 32)), 1), route.threads, pdl=True),
+            *P.launches(c, nb, add)))
     head = (
-        *((Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()),
+        *norm,
         Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
     )
-    if pf and nb >= pf:
-        return Bucket(nb, (*head, *P.launches(c, nb, add)))
     if nb <= nf:
         fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
         return Bucket(nb, (*head, Launch(add(fk), (slots * (c.i // 16) + c.si // 16, 1), fk.threads, pdl=True),

@@ -27,6 +27,10 @@ class GemmTiles:
     bm: int = 128
     bn: int = 128
     stages: int = 4
+    # The GEMMs on packed weights with a producer warpgroup (cp.async into the ring, mbarriers)
+    # beside the bm / 64 consumer warpgroups, instead of every thread loading and a block barrier
+    # per k-tile.
+    ws: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -39,6 +43,11 @@ class GemmTiles:
     @property
     def threads(self) -> int:
         return self.bm // 64 * 128
+
+    @property
+    def packed_threads(self) -> int:
+        """Threads of the GEMMs on packed weights: the consumer warpgroups, and the producer one."""
+        return self.threads + (128 if self.ws else 0)
 
     @property
     def packed_rows(self) -> int:
@@ -57,20 +66,20 @@ class GemmTiles:
 
     @property
     def gate_up_name(self) -> str:
-        return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}_bf16"
+        return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}{'_ws' if self.ws else ''}_bf16"
 
     @property
     def down_name(self) -> str:
-        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.stages}_bf16"
+        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.stages}{'_ws' if self.ws else ''}_bf16"
 
     @property
     def down_smem_bytes(self) -> int:
-        return self.stages * (self.bn * 128 + self.threads // 32 * 4 * 512) + 1024
+        return self.stages * (self.bn * 128 + self.threads // 32 * 4 * 512 + (16 if self.ws else 0)) + 1024
 
     @property
     def gate_up_smem_bytes(self) -> int:
         """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments."""
-        return self.stages * (self.bn * 128 + self.threads // 32 * 8 * 512) + 1024
+        return self.stages * (self.bn * 128 + self.threads // 32 * 8 * 512 + (16 if self.ws else 0)) + 1024
 
 
 DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
@@ -89,7 +98,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
     return {
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
-        "standalone": standalone,
+        "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
         "acc_regs": ", ".join(f"%{i}" for i in range(n)),
@@ -207,7 +216,7 @@ class GroupedGemm:
                              f"of {warps}, K={k} of 64")
         if n_tiles == 0:
             return
-        cfg = LaunchConfig(grid=(row_tiles // warps, n_tiles), block=self.tiles.threads,
+        cfg = LaunchConfig(grid=(row_tiles // warps, n_tiles), block=self.tiles.packed_threads,
                            shmem_size=self.tiles.gate_up_smem_bytes)
         launch(_StreamRef(stream_handle(stream)), cfg, self.gate_up_kernel, np.uint64(xp), np.uint64(tok),
                np.uint64(w13), np.uint64(tile_table), np.uint64(h), np.int32(inter), np.int32(k), np.int32(row_tiles))
@@ -311,9 +320,9 @@ class PrefillExperts:
            u64(ws["first"]), u64(ws["tiles"]))
         go("place", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), i32(self.k), u64(ws["counts"]),
            u64(ws["first"]), u64(ws["tok"]), u64(ws["slot"]))
-        go("gate_up", (self.i // 16 // warps, max_tiles), t.threads, u64(ws["xp"]), u64(ws["tok"]), u64(w13),
+        go("gate_up", (self.i // 16 // warps, max_tiles), t.packed_threads, u64(ws["xp"]), u64(ws["tok"]), u64(w13),
            u64(ws["tiles"]), u64(ws["h"]), i32(self.i), i32(self.h), i32(self.i // 16), smem=t.gate_up_smem_bytes)
-        go("down", (self.h // 16 // warps, max_tiles), t.threads, u64(ws["h"]), u64(w2), u64(ws["tiles"]),
+        go("down", (self.h // 16 // warps, max_tiles), t.packed_threads, u64(ws["h"]), u64(w2), u64(ws["tiles"]),
            u64(ws["y"]), i32(self.h), i32(self.i), i32(self.h // 16), smem=t.down_smem_bytes)
         go("combine", (-(-self.h // 1024), n), 256, u64(ws["y"]), u64(ws["slot"]), u64(wts), u64(x), u64(out),
            i32(self.h), i32(self.k))

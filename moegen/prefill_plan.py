@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from .plan import Buffer, Kernel, Launch
 
 TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
+
+
+def tiles(c: Layer) -> GemmTiles:
+    """The GEMMs' tile shape: TILES, with the producer warpgroup where the tuning asks for it."""
+    return GemmTiles(TILES.bm, TILES.bn, TILES.stages, ws=c.tune.prefill_ws)
 TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
@@ -52,13 +57,14 @@ def unsupported(c: Layer) -> str:
 
 def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: where
-    the routed experts get TOKENS_PER_EXPERT tokens each on average, past which the GEMV path
-    reads each expert's weights more than once; a tuning may move it."""
+    the routed experts get TOKENS_PER_EXPERT tokens each on average, from which the GEMV path
+    reads each expert's weights more than once (measured on the H200: Qwen3-30B-A3B's crossover
+    lies between N = 256 and 512, Mixtral-8x7B's at or below 128); a tuning may move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
-    return math.ceil(TOKENS_PER_EXPERT * c.e / c.k) + 1
+    return math.ceil(TOKENS_PER_EXPERT * c.e / c.k)
 
 
 def max_tiles(c: Layer, tokens: int) -> int:
@@ -89,11 +95,12 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     from .plan import Kernel
 
     e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
-    t, warps = TILES, TILES.threads // 32
+    t = tiles(c)
+    warps = t.threads // 32
     ids = ("const int* __restrict__ ids", "ids", "ws.topk_ids")
     counts = ("int* __restrict__ counts", "counts", "ws.counts")
     first = ("int* __restrict__ first", "first", "ws.first")
-    tiles = ("int* __restrict__ tiles", "tiles", "ws.tiles")
+    table = ("int* __restrict__ tiles", "tiles", "ws.tiles")
     tok = ("int* __restrict__ tok", "tok", "ws.slot_token")
     slot = ("int* __restrict__ slot", "slot", "ws.pair_pos")
     n = ("int n", None, "n")
@@ -103,7 +110,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
                       tuple(s[2] for s in sig), body, comment)
 
-    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}"
+    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
     return {
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
                         (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
@@ -113,25 +120,25 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
                       "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
         "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}", GROUP_THREADS, (),
-                     (counts, first, tiles, n),
+                     (counts, first, table, n),
                      ("counts", f"(n * {k} + {GROUP_THREADS - 1}) / {GROUP_THREADS}", str(e), str(t.packed_rows),
                       str(max_tiles(c, c.nmax)), "first", "tiles"), "prefill_scan_body",
                      f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"),
         "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
-        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.threads,
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.packed_threads,
                              ("true", "2"),
                              (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
-                              ("const uint4* __restrict__ w13", None, "w.w13"), tiles,
+                              ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act")),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16)), "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{gemm}_m{c.tune.down_tiles}_bf16", t.threads,
+        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
                           ("false", str(c.tune.down_tiles)),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
-                           ("const uint4* __restrict__ w2", None, "w.w2"), tiles, ("float* __restrict__ y", None, "ws.y")),
+                           ("const uint4* __restrict__ w2", None, "w.w2"), table, ("float* __restrict__ y", None, "ws.y")),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16)), "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (fp32), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}", EW_THREADS, (),
@@ -149,14 +156,15 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     from .plan import Launch
 
     ks = kernels(c)
-    t, warps = TILES, TILES.threads // 32
+    t = tiles(c)
+    warps = t.threads // 32
     grids = {
         "permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0),
         "count": ((chunks(c, nb), 1), GROUP_THREADS, 0),
         "scan": ((1, 1), GROUP_THREADS, 0),
         "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
-        "gemm_gate_up": ((c.i // 16 // warps, max_tiles(c, nb)), t.threads, t.gate_up_smem_bytes),
-        "gemm_down": ((c.h // 16 // warps, max_tiles(c, nb)), t.threads, t.down_smem_bytes),
+        "gemm_gate_up": ((c.i // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
+        "gemm_down": ((c.h // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes),
         "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
     }
     return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())

@@ -633,7 +633,8 @@ def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.Mon
     names = [k.name for k in r.plan.kernels]
     assert any("_w8_" in n for n in names if n.startswith("moe_gate_up")), names
     assert all("_t1_pf_" in n for n in names if n.startswith("moe_down")), names
-    assert all("_ks4_" in n for n in names if n.startswith("moe_router")), names
+    decode = {ln.kernel for b in r.plan.buckets if b.max_tokens < r.plan.prefill_from for ln in b.launches}
+    assert all("_ks4_" in n for n in decode if n.startswith("moe_router")), names  # prefill routers split N
     assert set(r.compiled.resources) == set(names)  # every kernel compiled (moegen tune weighs any spills)
     assert sorted(os.listdir(out)) == sorted([name, f"{name}.tuning.json"])
     (out / f"{name}.tuning.json").write_text("{\"warps\": 8}")

@@ -50,7 +50,8 @@ def test_grouped_gemm_matches_numpy(tiles):
                        y[torch.from_numpy(slot[ids_flat]).long().cuda()].view(torch.int16))
 
 
-@pytest.mark.parametrize("tiles", [GemmTiles(), GemmTiles(bm=64), GemmTiles(bn=64)], ids=lambda t: t.gate_up_name)
+@pytest.mark.parametrize("tiles", [GemmTiles(), GemmTiles(bm=64), GemmTiles(bn=64), GemmTiles(ws=True),
+                                   GemmTiles(bn=64, ws=True)], ids=lambda t: t.gate_up_name)
 def test_gate_up_on_packed_weights_matches_numpy(tiles):
     """The prefill gate/up GEMM reads the decode path's packed tiles (register A) and X' (K
     permuted as they are): silu(gate) * up per permuted row, written as H' (I permuted)."""
@@ -83,8 +84,9 @@ def test_gate_up_on_packed_weights_matches_numpy(tiles):
     _check_rows(_host(h).astype(np.float64), permute_k(g / (1.0 + np.exp(-g)) * u), tiles.gate_up_name)
 
 
-@pytest.mark.parametrize(("down_mats", "tiles"), [(1, GemmTiles()), (2, GemmTiles()), (2, GemmTiles(bn=64))],
-                         ids=["m1", "m2", "m2-bn64"])
+@pytest.mark.parametrize(("down_mats", "tiles"), [(1, GemmTiles()), (2, GemmTiles()), (2, GemmTiles(bn=64)),
+                                                   (2, GemmTiles(ws=True)), (4, GemmTiles(ws=True))],
+                         ids=["m1", "m2", "m2-bn64", "m2-ws", "m4-ws"])
 def test_prefill_experts_match_numpy(down_mats, tiles):
     """The whole routed-expert prefill from packed weights (permute, group, gate/up, down,
     combine) against float64 NumPy on the same bf16 values: uneven experts, an expert without

@@ -198,16 +198,23 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
 
 
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
-    """Past the plan's crossover (mean tokens per expert beyond the GEMV path's widest pass) the
-    buckets run the prefill kernels after the route, the GEMMs with their shared memory."""
+    """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
+    buckets run the prefill kernels after the route (its K-split router replaced by one that
+    splits the tokens, its route by one that does not group them), the GEMMs with their shared
+    memory; the producer-warpgroup tuning launches them as completely."""
     plan = make_plan(dict(SPECS)["prefill"])
-    assert plan.prefill_from == 512  # 16 experts, top-2: 32 tokens each on average at N = 256
-    assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [512, 1024]
+    assert plan.prefill_from == 256  # 16 experts, top-2: 32 tokens each on average at N = 256
+    assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [256, 512, 1024]
     fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
     assert fams == ["router", "route", "prefill_permute", "prefill_count", "prefill_scan", "prefill_place",
                     "prefill_gemm_gate_up", "prefill_gemm_down", "prefill_combine"]
-    assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-2] for ln in b.launches)
+    names = [ln.kernel for ln in plan.buckets[-1].launches]
+    assert "_ks1_" in names[0] and names[1].endswith("_noslots_sm_90a")
+    assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-3] for ln in b.launches)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
+    ws = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_ws=True))
+    assert ws.prefill_ws and any("_ws_" in k.name for k in ws.kernels)
+    _check_pointers(fake_cuda, dict(SPECS)["prefill"], ws)
 
 
 def test_numpy_scalars_are_0d_weights(fake_cuda):

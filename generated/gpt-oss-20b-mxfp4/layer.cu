@@ -534,8 +534,10 @@ MOE_DEVICE float activate(float g, float u) {
 // routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
 // finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
+// SLOTS false (the prefill buckets, which group the tokens themselves): only the choices and
+// their weights (and the shared-expert gate) are written.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
-          bool MULTI = false>
+          bool MULTI = false, bool SLOTS = true>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
@@ -708,6 +710,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
+  if (!SLOTS) return;
   __syncthreads();
   if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
@@ -787,7 +790,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
 
 // The route as its own kernel (token buckets too large for the fused form): one token per warp,
 // as many blocks as the bucket needs; the last block groups the tokens by expert.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS>
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, bool SLOTS = true>
 MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
                                   const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -798,7 +801,7 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true, SLOTS>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
       slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
 }
@@ -832,7 +835,8 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const bf16_t* xs = x + part * KC_PART * 32;
   grid_dep_wait();
   grid_dep_launch();
-  for (int n0 = 0; n0 < n; n0 += 8 * NT) {
+  // The grid's y splits the tokens (prefill buckets: one pass of 8 * NT tokens a block).
+  for (int n0 = blockIdx.y * 8 * NT; n0 < n; n0 += gridDim.y * 8 * NT) {
     G::run(a, xs, KC * 32, nullptr, n0, n, red);
     for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
       const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;

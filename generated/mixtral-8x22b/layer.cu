@@ -4,7 +4,7 @@
 // E=8 routed experts, top-2, H=6144, I=16384.
 // Routing: softmax over 8 experts (fp32 logits) -> top-2 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 603979776 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 128 tokens, after the route: permute -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -534,8 +534,10 @@ MOE_DEVICE float activate(float g, float u) {
 // routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
 // finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
+// SLOTS false (the prefill buckets, which group the tokens themselves): only the choices and
+// their weights (and the shared-expert gate) are written.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
-          bool MULTI = false>
+          bool MULTI = false, bool SLOTS = true>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
@@ -708,6 +710,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
+  if (!SLOTS) return;
   __syncthreads();
   if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
@@ -787,7 +790,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
 
 // The route as its own kernel (token buckets too large for the fused form): one token per warp,
 // as many blocks as the bucket needs; the last block groups the tokens by expert.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS>
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, bool SLOTS = true>
 MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
                                   const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -798,7 +801,7 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true, SLOTS>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
       slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
 }
@@ -832,7 +835,8 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
   const bf16_t* xs = x + part * KC_PART * 32;
   grid_dep_wait();
   grid_dep_launch();
-  for (int n0 = 0; n0 < n; n0 += 8 * NT) {
+  // The grid's y splits the tokens (prefill buckets: one pass of 8 * NT tokens a block).
+  for (int n0 = blockIdx.y * 8 * NT; n0 < n; n0 += gridDim.y * 8 * NT) {
     G::run(a, xs, KC * 32, nullptr, n0, n, red);
     for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
       const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
@@ -1555,6 +1559,7 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
 }
 
 
+
 // ---- prefill token grouping (a stable counting sort by expert) and the weighted combine ----
 // Entries i = t * top_k + j of the routing ids [n][top_k], in chunks of 1024 (one block each).
 // Routed experts only: an id >= E (a zero expert) gets no row; the combine adds its weight * x.
@@ -1737,6 +1742,14 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e8_h6144_i16384_nt
 // down: expert slots x 384 tiles of 16384; the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<512, 0, 4, 4, 4, 3, 2, 192, 6144, 2, false, MOE_W_BF16, MOE_W_BF16, 8, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+// router: 16 rows x 6144, K split 1 ways, 32 tokens per pass
+extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h6144_ks1_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<192, 4, 4, 4, 1, 16, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// route: softmax over 8 experts (fp32 logits) -> top-2 -> renormalize; one token per warp
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e8_k2_softmax_scores_renorm_fp32_n256_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<8, 16, 2, 1, 256, false, 1024, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h6144_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
