@@ -1517,7 +1517,6 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     cp_async_wait<S - 3>();
     gg::fence_async_smem();
     __syncthreads();  // B from every thread; the stage tile kt + S - 2 replaces was released at step kt - 2
-    load(kt + S - 2);
     const u32 st = base + (u32)((kt % S) * STAGE);
     uint4 af[NACC][4];  // per k-step kk = 2 * chunk + s
 #pragma unroll
@@ -1535,6 +1534,7 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
       for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], af[a][kk], bd, kt > 0 || kk > 0);
     }
     gg::wg_commit();
+    load(kt + S - 2);  // while the tensor cores work
     // The A registers are read until the group completes: a second group in flight (wait<1>, the
     // next step's fragments loaded meanwhile) makes ptxas serialize the wgmmas (C7513) all the same.
     gg::wg_wait<0>();
