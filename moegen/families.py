@@ -100,6 +100,9 @@ class Tuning:
     prefill_from: int = 0
     # The prefill GEMMs with a producer warpgroup and mbarriers (moegen.prefill.GemmTiles.ws).
     prefill_ws: bool = False
+    # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
+    # pair over all tokens (compiled and planned; not yet run on a GPU, so off in the analytic plan).
+    prefill_shared: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""

@@ -36,12 +36,16 @@ EW_THREADS = 256  # permute and combine
 
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16
-    SiLU-gated routed experts without biases, all on this device."""
+    SiLU-gated routed experts without biases, all on this device, and a BF16 shared expert (as
+    one more GEMM pair over all tokens) where the tuning asks for it (prefill_shared: compiled and
+    planned, not yet run on a GPU)."""
     spec = c.spec
+    w = TILES.threads // 32
     checks = (
         (c.fmt_e != "bf16", f"experts.format={c.fmt_e}"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
-        (c.si > 0, "a shared expert"),
+        (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared)"),
+        (c.si > 0 and (c.fmt_s != "bf16" or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias, "expert biases"),
         (c.woi, "routing weights on the input"),
         (c.ep_size > 1, "expert parallelism"),
@@ -77,8 +81,9 @@ def chunks(c: Layer, tokens: int) -> int:
 
 
 def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
-    """X', the per-chunk counts, each expert's first row and the tile table (token rows, the
-    choices' rows, H' and Y reuse the decode path's slot_token, pair_pos, act and y)."""
+    """X', the per-chunk counts, each expert's first row and the tile tables (token rows, the
+    choices' rows, H' and Y reuse the decode path's slot_token, pair_pos, act and y; the shared
+    expert's H' and Y its act_s and ys)."""
     from .plan import Buffer
 
     n = c.nmax
@@ -87,7 +92,13 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
         Buffer("counts", "int32", (chunks(c, n) * c.e_local,) if on else (1,)),
         Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
         Buffer("tiles", "int32", (max_tiles(c, n) * 3,) if on else (1,)),
+        Buffer("stiles", "int32", (shared_tiles(c, n) * 3,) if on and c.si else (1,)),
     )
+
+
+def shared_tiles(c: Layer, tokens: int) -> int:
+    """Tiles of the shared expert's GEMMs: every token, in order, cut at the tile's tokens."""
+    return -(-tokens // TILES.packed_rows) if c.si else 0
 
 
 def kernels(c: Layer) -> dict[str, Kernel]:
@@ -103,7 +114,9 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     table = ("int* __restrict__ tiles", "tiles", "ws.tiles")
     tok = ("int* __restrict__ tok", "tok", "ws.slot_token")
     slot = ("int* __restrict__ slot", "slot", "ws.pair_pos")
+    stable = ("int* __restrict__ stiles", "stiles", "ws.stiles")
     n = ("int n", None, "n")
+    si = c.si
 
     def kern(family: str, name: str, threads: int, targs: tuple[str, ...], sig: tuple, args: tuple[str, ...],
              body: str, comment: str) -> Kernel:
@@ -111,7 +124,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       tuple(s[2] for s in sig), body, comment)
 
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
-    return {
+    out = {
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
                         (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
                         ("x", "xp", str(h), "blockIdx.x", f"blockIdx.y * {EW_THREADS} + threadIdx.x"),
@@ -119,11 +132,13 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         "count": kern("count", f"count_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, n),
                       ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
                       "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
-        "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}", GROUP_THREADS, (),
-                     (counts, first, table, n),
+        "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}{'_shared' if si else ''}", GROUP_THREADS, (),
+                     (counts, first, table, *((stable,) if si else ()), n),
                      ("counts", f"(n * {k} + {GROUP_THREADS - 1}) / {GROUP_THREADS}", str(e), str(t.packed_rows),
-                      str(max_tiles(c, c.nmax)), "first", "tiles"), "prefill_scan_body",
-                     f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"),
+                      str(max_tiles(c, c.nmax)), "first", "tiles",
+                      *(("n", "stiles", str(shared_tiles(c, c.nmax))) if si else ())), "prefill_scan_body",
+                     f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"
+                     + ("; the shared expert's tiles" if si else "")),
         "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
@@ -141,14 +156,35 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("float* __restrict__ y", None, "ws.y")),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16)), "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (fp32), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "combine": kern("combine", f"combine_h{h}_k{k}", EW_THREADS, (),
+        "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
+                        EW_THREADS, (),
                         (("const float* __restrict__ y", None, "ws.y"), slot,
                          ("const float* __restrict__ wts", None, "ws.topk_w"),
-                         ("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ out", None, "out")),
+                         ("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ out", None, "out"),
+                         *((("const float* __restrict__ ys", None, "ws.ys"),) if si else ()),
+                         *((("const float* __restrict__ gate", None, "ws.gate_s"),) if c.gated else ())),
                         ("y", "slot", "wts", "x", "out", str(h), str(k), "blockIdx.x",
-                         f"(blockIdx.y * {EW_THREADS} + threadIdx.x) * 4"), "prefill_combine_body",
-                        "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order"),
+                         f"(blockIdx.y * {EW_THREADS} + threadIdx.x) * 4",
+                         *(("ys", "gate" if c.gated else "nullptr") if si else ())), "prefill_combine_body",
+                        "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order"
+                        + (" + gate * YS" if c.gated else " + YS" if si else "")),
     }
+    if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
+        out["gemm_gate_up_shared"] = kern(
+            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_bf16_silu_gated", t.packed_threads,
+            ("true", "2", "false"),
+            (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s")),
+            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16)), "prefill_gemm",
+            f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
+        out["gemm_down_shared"] = kern(
+            "gemm_down_shared", f"down_shared_h{h}_i{si}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
+            ("false", str(c.tune.down_tiles)),
+            (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
+             stable, ("float* __restrict__ y", None, "ws.ys")),
+            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16)), "prefill_gemm",
+            "prefill: the shared expert's YS = H' Wd (fp32)")
+    return out
 
 
 def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
@@ -165,6 +201,9 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
         "gemm_gate_up": ((c.i // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
         "gemm_down": ((c.h // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes),
+        **({"gemm_gate_up_shared": ((c.si // 16 // warps, shared_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
+            "gemm_down_shared": ((c.h // 16 // warps, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+           if c.si else {}),
         "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
     }
     return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())

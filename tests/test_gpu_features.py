@@ -80,6 +80,31 @@ def test_fused_tuning_matches_reference(name, tmp_path):
         layer.close()
 
 
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen1.5-moe-a2.7b"])
+def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
+    """The prefill_shared tuning (a shared expert as one more GEMM pair over all tokens, its
+    sigmoid gate in the combine) at both ends of the first prefill bucket, against the reference;
+    the largest N of the bucket bitwise repeatable. The two layers cover an ungated and a gated
+    shared expert."""
+    import torch
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml").read_text())
+    spec = parse_spec({**data, "max_tokens": 1024}, check_generated=False)
+    plan = make_plan(spec, tuning=Tuning(prefill_shared=True))
+    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(name, spec, plan, layer, host, torch, counts=(below + 1, plan.prefill_from))
+        x = torch.randn(plan.prefill_from, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+    finally:
+        layer.close()
+
+
 def _norm_rounding_slack(spec, xh, host) -> np.ndarray:
     """[N] the most a router logit can move because the router RMSNorm's bf16 output rounds the
     other way in the kernel (fp32) than in the reference (float64): only elements within 16 fp32

@@ -35,7 +35,7 @@ class FakeDriver:
         self.smem: dict[str, int] = {}  # kernel -> dynamic shared memory allowed
 
     @staticmethod
-    def CUdevice(i: int) -> int:  # noqa: N802 (the driver's name)
+    def CUdevice(i: int) -> int:  # the driver's name
         return i
 
     def cuKernelSetAttribute(self, attr: str, value: int, kernel: str, dev: int) -> tuple[int]:
@@ -215,6 +215,23 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     ws = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_ws=True))
     assert ws.prefill_ws and any("_ws_" in k.name for k in ws.kernels)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], ws)
+
+
+def test_prefill_with_a_shared_expert_is_a_tuning(fake_cuda):
+    """A BF16 shared expert (with its sigmoid gate) gets prefill buckets only where the tuning asks
+    (prefill_shared): then its GEMM pair runs over every token after the routed experts' and the
+    combine adds gate * YS, every pointer given."""
+    spec = parse_spec({**BASE, "experts": {"count": 64, "top_k": 8, "intermediate_size": 256},
+                       "shared_expert": {"intermediate_size": 256, "gate": "sigmoid"}, "max_tokens": 512},
+                      check_generated=False)
+    assert make_plan(spec).prefill_from == 0
+    plan = make_plan(spec, tuning=Tuning(prefill_shared=True))
+    assert plan.prefill_from == 256  # 64 experts, top-8: 32 tokens each on average
+    fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
+    assert fams[-3:] == ["prefill_gemm_gate_up_shared", "prefill_gemm_down_shared", "prefill_combine"]
+    combine = plan.kernel(plan.buckets[-1].launches[-1].kernel)
+    assert combine.arg_keys[-2:] == ("ws.ys", "ws.gate_s") and combine.name.endswith("_sgate_sm_90a")
+    _check_pointers(fake_cuda, spec, plan)
 
 
 def test_numpy_scalars_are_0d_weights(fake_cuda):

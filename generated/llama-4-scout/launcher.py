@@ -968,7 +968,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (1,)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (1,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (1,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (1,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (1,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1194,7 +1194,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (256, 6144)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (8,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (9,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (36,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (36,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1135,7 +1135,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (256, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (128,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (65,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (240,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (240,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

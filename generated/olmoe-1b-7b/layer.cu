@@ -1453,11 +1453,12 @@ MOE_DEVICE uint4 lds128(u32 addr) {
 }  // namespace gg
 
 // One block: WARPS 16-row weight tiles (one per warp) x BN token rows of one expert.
-// GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments;
+// GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments,
+// the tile's rows X'[tok[row0 + r]] (GATHER false: X'[row0 + r], the shared expert's);
 // out is H' bf16 [P][n_out] (n_out = I), each row's I permuted in 32-wide chunks as permute_k
 // does, ready to be the down GEMM's X'. Otherwise (down): w is the interleaved GEMV layout
 // [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y fp32 [P][n_out] (n_out = H).
-template <bool GATED, int MATS>
+template <bool GATED, int MATS, bool GATHER = GATED>
 MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles) {
@@ -1486,8 +1487,9 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
   for (int j = 0; j < BJ; ++j) {
     const int i = tid + j * THREADS, r = i >> 3, c = i & 7;
     alive[j] = r < rows;
-    // gate/up gathers the tokens' rows of X'; down reads H' by permuted row
-    bsrc[j] = xp + (size_t)(alive[j] ? (GATED ? tok[row0 + r] : row0 + r) : 0) * k_dim + c * 8;
+    // gate/up gathers the tokens' rows of X' (GATHER; the shared expert's: every token in order);
+    // down reads H' by permuted row
+    bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + c * 8;
     bdst[j] = gg::swz128(r, c);
   }
   const int ktiles = k_dim / BK;
@@ -1576,8 +1578,16 @@ MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int
 // 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
 //    expert's first row (in expert order), and the tile table: (expert, first row, rows) per
 //    tile of bm rows, then (0, 0, 0) up to max_tiles so that the GEMMs' extra blocks return.
+// With a shared expert, also its tile table over all n tokens in order: (0, first row, rows),
+// shared_max entries (the rows <= 0 past n).
 MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
-                                  int* __restrict__ first, int* __restrict__ tiles) {
+                                  int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
+                                  int* __restrict__ shared_tiles = nullptr, int shared_max = 0) {
+  for (int t = threadIdx.x; t < shared_max; t += blockDim.x) {
+    shared_tiles[(size_t)t * 3] = 0;
+    shared_tiles[(size_t)t * 3 + 1] = t * bm;
+    shared_tiles[(size_t)t * 3 + 2] = min(bm, n_shared - t * bm);
+  }
   __shared__ int total[512], ntile[512];
   __shared__ int tiles_used;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
@@ -1645,11 +1655,13 @@ MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int
     slot[i] = row;
   }
 }
-// out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32;
-// bf16 out. Four columns c0 .. c0 + 3 of token t a thread.
+// out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
+// then + gate[t] * YS[t, c] with a shared expert (gate null: 1); bf16 out. Four columns c .. c + 3
+// of token t a thread.
 MOE_DEVICE void prefill_combine_body(const float* __restrict__ y, const int* __restrict__ slot,
                                      const float* __restrict__ wts, const bf16_t* __restrict__ x,
-                                     bf16_t* __restrict__ out, int hidden, int top_k, int t, int c) {
+                                     bf16_t* __restrict__ out, int hidden, int top_k, int t, int c,
+                                     const float* __restrict__ ys = nullptr, const float* __restrict__ gate = nullptr) {
   if (c >= hidden) return;
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j = 0; j < top_k; ++j) {
@@ -1668,6 +1680,14 @@ MOE_DEVICE void prefill_combine_body(const float* __restrict__ y, const int* __r
       s[2] = fmaf(wj, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
       s[3] = fmaf(wj, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
     }
+  }
+  if (ys) {
+    const float g = gate ? gate[t] : 1.0f;
+    const float4 v = *reinterpret_cast<const float4*>(ys + (size_t)t * hidden + c);
+    s[0] = fmaf(g, v.x, s[0]);
+    s[1] = fmaf(g, v.y, s[1]);
+    s[2] = fmaf(g, v.z, s[2]);
+    s[3] = fmaf(g, v.w, s[3]);
   }
   *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
 }

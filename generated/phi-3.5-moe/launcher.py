@@ -1135,7 +1135,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (256, 4096)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (16,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (17,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (60,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (60,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):
