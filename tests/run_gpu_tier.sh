@@ -12,7 +12,8 @@
 #   bash tests/run_gpu_tier.sh benchq     the quantized layers, each against its BF16 layer in the same run (--vs)
 #   bash tests/run_gpu_tier.sh profile    ncu per-kernel durations and stall reasons at N = 1 (Qwen3-30B-A3B: BF16, MXFP4, FP8)
 #   bash tests/run_gpu_tier.sh ep         on a machine of 2+ GPUs: the multi-GPU expert-parallel test and bench
-#   bash tests/run_gpu_tier.sh prefill    the prefill kernels (wgmma grouped GEMMs) against NumPy, and their speed
+#   bash tests/run_gpu_tier.sh prefill    the prefill kernels (wgmma grouped GEMMs) against NumPy, the shared-expert
+#                                          prefill tuning against the reference, and the prefill buckets' speed
 #   bash tests/run_gpu_tier.sh tune       moegen tune of Qwen3-30B-A3B (warps, down tiles, prefetch, router split)
 # Each of the other modes is meant to fit one 10-minute device call (the tier in thirds: tier1of3 ..).
 set -uo pipefail
@@ -90,12 +91,12 @@ if [ "$mode" = verify ]; then
     tierq_run "$left" "$(ls specs | sed -n 's/\.yaml$//p' | grep -E 'fp8|fp4' | paste -sd,)"
   fi
 fi
-if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, then their speed against torch._grouped_mm
+if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, the shared-expert tuning, then the layers' speed
   run gpu-prefill pytest_gpu tests/test_gpu_prefill.py
-  for s in qwen3-30b-a3b mixtral-8x7b; do
-    run "prefill-$s" python3 -W ignore -m moegen.prefill "specs/$s.yaml" 512,2048,8192,16384
-    cat "$out/prefill-$s.log"
-  done
+  run gpu-prefill-shared pytest_gpu tests/test_gpu_features.py -k prefill_with_a_shared_expert
+  run "bench-prefill-qwen3-30b-a3b" bench specs/qwen3-30b-a3b.yaml --tokens 512,2048,8192,16384 --stages --compare
+  run "bench-prefill-mixtral-8x7b" bench specs/mixtral-8x7b.yaml --tokens 128,512,2048,8192 --stages --compare
+  for f in "$out"/bench-prefill-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
 fi
 if [ "$mode" = tune ]; then
   for s in qwen3-30b-a3b; do  # 18 variants: one spec fits a 10-minute call
@@ -127,10 +128,11 @@ if [ "$mode" = all ] || [ "$mode" = checks ]; then
 fi
 if [ "$mode" = all ] || [ "$mode" = sanitize ]; then
   run memcheck compute-sanitizer --tool memcheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
-      qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64 qwen3-30b-a3b-nvfp4:1,16 qwen3-30b-a3b-fp8:1,16
+      qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64 qwen3-30b-a3b-nvfp4:1,16 qwen3-30b-a3b-fp8:1,16 \
+      mixtral-8x7b:200 qwen3-30b-a3b:600
   # the quantized layers share each chunk's scales across a warp's lanes through shared memory
   run racecheck compute-sanitizer --tool racecheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
-      olmoe-1b-7b:1,16 deepseek-v2-lite:2 qwen3-30b-a3b-mxfp4:1,16 qwen3-30b-a3b-fp8:2
+      olmoe-1b-7b:1,16 deepseek-v2-lite:2 qwen3-30b-a3b-mxfp4:1,16 qwen3-30b-a3b-fp8:2 mixtral-8x7b:130
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for s in qwen3-30b-a3b qwen3-next-80b-a3b mixtral-8x7b; do
