@@ -98,7 +98,11 @@ class Tuning:
     # The token count from which buckets (those whose largest N reaches it) run the prefill
     # kernels (0: the analytic one, moegen.prefill_plan.prefill_from; past max_tokens: never).
     prefill_from: int = 0
-    # The prefill GEMMs with a producer warpgroup and mbarriers (moegen.prefill.GemmTiles.ws).
+    # The prefill GEMMs' block (moegen.prefill.GemmTiles): bm / 64 warpgroups of 4 warps, a 16-row
+    # weight tile each warp (bm 64 or 128; 0: the analytic 128), the ring's stages (0: the analytic
+    # 4), and a producer warpgroup with mbarriers. bm 64 with 3 stages fits two blocks a multiprocessor.
+    prefill_bm: int = 0
+    prefill_stages: int = 0
     prefill_ws: bool = False
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
     # pair over all tokens (compiled and planned; not yet run on a GPU, so off in the analytic plan).
@@ -114,6 +118,9 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
+        if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, 3, 4):
+            raise TuningError(f"tuning prefill_bm={self.prefill_bm}, prefill_stages={self.prefill_stages}: "
+                              "bm 64 or 128, 3 or 4 stages (0: the analytic choice)")
         if self.prefill_from < 0:
             raise TuningError(f"tuning prefill_from={self.prefill_from}: 0 (analytic) or a token count")
         if self.fused < 0:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from . import families as F
 from . import prefill_plan as P
@@ -148,7 +148,7 @@ class Plan:
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
-    prefill_ws: bool = False  # their GEMMs have a producer warpgroup (moegen.prefill.GemmTiles.ws)
+    prefill_tiles: tuple[int, int, int, bool] = ()  # their GEMMs' (bm, bn, stages, ws): moegen.prefill.GemmTiles
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -249,7 +249,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
         kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
-        prefill_ws=c.tune.prefill_ws and pf > 0,
+        prefill_tiles=astuple(P.tiles(c)) if pf else (),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
@@ -421,4 +421,5 @@ def plan_from_dict(d: dict) -> Plan:
     d["norm_rule"] = tuple(tuple(x) for x in d["norm_rule"])
     d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
+    d["prefill_tiles"] = tuple(d.get("prefill_tiles", ()))
     return Plan(**d)

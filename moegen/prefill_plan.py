@@ -27,8 +27,9 @@ TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stag
 
 
 def tiles(c: Layer) -> GemmTiles:
-    """The GEMMs' tile shape: TILES, with the producer warpgroup where the tuning asks for it."""
-    return GemmTiles(TILES.bm, TILES.bn, TILES.stages, ws=c.tune.prefill_ws)
+    """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
+    t = c.tune
+    return GemmTiles(t.prefill_bm or TILES.bm, TILES.bn, t.prefill_stages or TILES.stages, ws=t.prefill_ws)
 TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
@@ -40,7 +41,7 @@ def unsupported(c: Layer) -> str:
     one more GEMM pair over all tokens) where the tuning asks for it (prefill_shared: compiled and
     planned, not yet run on a GPU)."""
     spec = c.spec
-    w = TILES.threads // 32
+    w = tiles(c).threads // 32
     checks = (
         (c.fmt_e != "bf16", f"experts.format={c.fmt_e}"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
@@ -52,8 +53,7 @@ def unsupported(c: Layer) -> str:
         (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
         (c.e_local > MAX_EXPERTS, f"more than {MAX_EXPERTS} experts"),
         (c.h % 64 or c.i % 64, "hidden and expert widths not multiples of 64"),
-        ((c.i // 16) % (TILES.threads // 32) or (c.h // 16) % (TILES.threads // 32),
-         f"widths not whole blocks of {TILES.threads // 32} 16-row tiles"),
+        ((c.i // 16) % w or (c.h // 16) % w, f"widths not whole blocks of {w} 16-row tiles"),
         (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
     )
     return "; ".join(why for bad, why in checks if bad)

@@ -54,11 +54,9 @@ def render_cuda(spec: Spec, plan: Plan) -> str:
     g = None
     if plan.prefill_from:  # the grouped-GEMM device functions, at the plan's tile shape
         from .prefill import GemmTiles, grouped_args
-        from .prefill_plan import TILES
 
         w2 = next(w for w in plan.weights if w.name == "w2")
-        g = grouped_args(GemmTiles(TILES.bm, TILES.bn, TILES.stages, ws=plan.prefill_ws), standalone=False,
-                         down_mats=(w2.mats,))
+        g = grouped_args(GemmTiles(*plan.prefill_tiles), standalone=False, down_mats=(w2.mats,))
     return env().get_template("layer.cu.j2").render(
         spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(), g=g
     )

@@ -213,8 +213,13 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-3] for ln in b.launches)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
     ws = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_ws=True))
-    assert ws.prefill_ws and any("_ws_" in k.name for k in ws.kernels)
+    assert ws.prefill_tiles[3] and any("_ws_" in k.name for k in ws.kernels)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], ws)
+    small = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_bm=64, prefill_stages=3))
+    gemms = [ln for ln in small.buckets[-1].launches if "gemm" in small.kernel(ln.kernel).family]
+    assert small.prefill_tiles == (64, 128, 3, False) and {ln.block for ln in gemms} == {128}
+    assert all(ln.smem <= 228 * 1024 // 2 for ln in gemms)  # two blocks a multiprocessor
+    _check_pointers(fake_cuda, dict(SPECS)["prefill"], small)
 
 
 def test_prefill_with_a_shared_expert_is_a_tuning(fake_cuda):
