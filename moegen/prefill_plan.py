@@ -24,15 +24,15 @@ if TYPE_CHECKING:
     from .plan import Buffer, Kernel, Launch
 
 TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
+TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
+GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
+EW_THREADS = 256  # permute and combine
 
 
 def tiles(c: Layer) -> GemmTiles:
     """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
     t = c.tune
     return GemmTiles(t.prefill_bm or TILES.bm, TILES.bn, t.prefill_stages or TILES.stages, ws=t.prefill_ws)
-TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
-GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
-EW_THREADS = 256  # permute and combine
 
 
 def unsupported(c: Layer) -> str:
@@ -73,7 +73,7 @@ def prefill_from(c: Layer) -> int:
 
 def max_tiles(c: Layer, tokens: int) -> int:
     """Tiles the routing of `tokens` tokens can make: each expert's rows cut at the tile's tokens."""
-    return -(-tokens * c.k // TILES.packed_rows) + c.e_local
+    return -(-tokens * c.k // tiles(c).packed_rows) + c.e_local
 
 
 def chunks(c: Layer, tokens: int) -> int:
@@ -98,7 +98,7 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
 
 def shared_tiles(c: Layer, tokens: int) -> int:
     """Tiles of the shared expert's GEMMs: every token, in order, cut at the tile's tokens."""
-    return -(-tokens // TILES.packed_rows) if c.si else 0
+    return -(-tokens // tiles(c).packed_rows) if c.si else 0
 
 
 def kernels(c: Layer) -> dict[str, Kernel]:

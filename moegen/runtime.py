@@ -413,8 +413,7 @@ class Layer:
         if cfg is None:
             ln = self.plan.buckets[bi].launches[li]
             gx = n if ln.grid[0] == "n" else int(ln.grid[0])
-            gy = n if ln.grid[1] == "n" else int(ln.grid[1])
-            cfg = self._configs[key] = LaunchConfig(grid=(gx, gy), block=ln.block, shmem_size=ln.smem,
+            cfg = self._configs[key] = LaunchConfig(grid=(gx, int(ln.grid[1])), block=ln.block, shmem_size=ln.smem,
                                                      programmatic_stream_serialization=ln.pdl and _PDL)
         return cfg
 
