@@ -55,7 +55,8 @@ def manifest(spec: Spec, plan: Plan, compiled: Compiled) -> dict:
         ],
         "buckets": [
             {"max_tokens": b.max_tokens,
-             "launches": [{"kernel": ln.kernel, "grid": list(ln.grid), "block": ln.block, "pdl": ln.pdl}
+             "launches": [{"kernel": ln.kernel, "grid": list(ln.grid), "block": ln.block, "pdl": ln.pdl,
+                           **({"smem": ln.smem} if ln.smem else {}), **({"coop": True} if ln.coop else {})}
                           for ln in b.launches]}
             for b in plan.buckets
         ],

@@ -107,6 +107,9 @@ class Tuning:
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
     # pair over all tokens (compiled and planned; not yet run on a GPU, so off in the analytic plan).
     prefill_shared: bool = False
+    # The one-token bucket as a single launch (single_fits: where its down weights fit in shared
+    # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.
+    single: bool = True
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -501,6 +504,69 @@ def combine_kernel(c: Layer, nf: int) -> Kernel:
                   ("const int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"))
     return _kernel(name, "combine", COMBINE_THREADS, targs, base, extra, "combine_body",
                    "combine: the fused kernel's chunk partials added in order, weighted per choice")
+
+
+# ---- one token: the whole layer in one launch ----
+SINGLE_WARPS = 16  # 512 threads: 128 registers each, P chunks of gate/up weights in flight per warp
+SINGLE_INFLIGHT = 4  # gate/up chunks in flight per warp (4 x 2 KB x 16 warps = 128 KB a multiprocessor)
+
+
+def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
+    """(dynamic shared memory bytes, gate/up units a block takes per round) of the single-launch
+    kernel for this layer, or None where it does not apply: it takes BF16 weights, no expert
+    parallelism, biases, identity experts, weighted inputs or hash routing, one reduction order
+    for every N only where the spec does not ask for it (batch_invariant), hidden sizes whose
+    32-wide chunks split evenly over its warps, and a block's share of the down weights (16 rows
+    of every chosen expert and of the shared expert, 1 KB per 32-wide chunk) must fit in shared
+    memory beside the staged activations and the reduction space."""
+    if not c.tune.single or c.spec.batch_invariant or c.kf_e != "bf16" or (c.si and c.kf_s != "bf16"):
+        return None
+    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed:
+        return None
+    kc = c.h // 32
+    cpu = kc // SINGLE_WARPS
+    if kc % SINGLE_WARPS or cpu % _inflight(cpu):
+        return None
+    units = c.k * (c.i // 16) + c.si // 16
+    ur = -(-units // target.sm_count)
+    dslots = c.k + (1 if c.si else 0)
+    pieces = c.k * (c.i // 32) + c.si // 32
+    act = -(-(c.k * c.i + c.si) * 2 // 16) * 16
+    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, SINGLE_WARPS * dslots * 16)
+    static = 8 * (c.e + c.z) + 64 * c.k + 64  # route_body's counters, the block's routing
+    smem = pieces * 1024 + act + red
+    return (smem, ur) if smem + static <= target.smem_per_block else None
+
+
+def _inflight(cpu: int) -> int:
+    """Chunks in flight per warp: SINGLE_INFLIGHT or the largest divisor of a warp's chunks below it."""
+    return max(p for p in range(1, SINGLE_INFLIGHT + 1) if cpu % p == 0)
+
+
+def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
+    """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
+    smem, ur = single_layout(c, target)
+    name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
+            + f"_ks{c.ksplit}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}_{c.spec.arch}")
+    kc = c.h // 32
+    targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
+                        c.ksplit, c.nmax, c.tune.down_tiles)), _b(c.gated),
+             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))))
+    base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
+            ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
+            ("const uint4* __restrict__ ws2", "ws2", "w.ws2"), ("const bf16_t* __restrict__ xr", "xr", c.x_router),
+            ("const bf16_t* __restrict__ x", "x", c.x_expert), ("float* logits", "logits", "ws.logits"),
+            ("unsigned* gbar", "gbar", "ws.gbar"),
+            ("const float* __restrict__ corr_bias", "corr_bias", "w.corr_bias"),
+            ("const float* __restrict__ router_bias", "router_bias", "w.router_bias"),
+            ("int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"), ("float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
+            ("bf16_t* act", "act", "ws.act"), ("bf16_t* act_s", "act_s", "ws.act_s"),
+            ("bf16_t* __restrict__ out", "out", "out"))
+    kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
+                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {c.ksplit} parts), route in "
+                     f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
+                     + " tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers")
+    return kernel, smem
 
 
 QUANT_THREADS = 256

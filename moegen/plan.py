@@ -73,6 +73,9 @@ class Launch:
     block: int
     pdl: bool  # programmatic dependent launch on the previous kernel
     smem: int = 0  # dynamic shared memory, bytes
+    # a cooperative launch: every block resident at once (grid-wide barriers), or the launch fails;
+    # its grid is ("sms", 1): one block per multiprocessor of the device it runs on
+    coop: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     sizes = _buckets(spec)
     nf = F.fused_max(c, target, sizes)
     pf = P.prefill_from(c)
-    buckets = tuple(_bucket(c, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
+    buckets = tuple(_bucket(c, target, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
     pf = min((b.max_tokens for b in buckets if pf and b.max_tokens >= pf), default=0)  # the first prefill bucket
     return Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
@@ -260,7 +263,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     )
 
 
-def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int,
+def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int,
             pf: int) -> Bucket:
     """The launches for calls of up to nb tokens: the norm (where the layer has it), the router
     (and the route), then up to nf (fused_max) the fused expert kernel and the combine, from pf
@@ -269,6 +272,9 @@ def _bucket(c: F.Layer, nb: int, add: Callable[[Kernel], str], norm_name: str, r
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
     norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
+    if nb == 1 and nb > nf and F.single_layout(c, target):  # one token: the whole layer in one launch
+        kernel, smem = F.single_kernel(c, target)
+        return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem, coop=True)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
         router = F.router_kernel(c, nt_dense, False, ksplit=1)
         route = F.route_kernel(c, _routing_desc(c.spec), slots=False)
@@ -331,7 +337,8 @@ def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, 
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * c.tune.down_tiles),)),  # counters: zero between calls, the last block resets
         Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
-        Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
+        Buffer("route_cnt", "int32", (c.e,)),
+        Buffer("gbar", "int32", (2,)),  # the single-launch kernel's grid barrier: arrivals, generation  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row
@@ -410,7 +417,7 @@ def plan_from_dict(d: dict) -> Plan:
     d["kernels"] = tuple(Kernel(**{k: tuple(v) if isinstance(v, list) else v for k, v in x.items()})
                          for x in d["kernels"])
     d["buckets"] = tuple(Bucket(b["max_tokens"], tuple(Launch(x["kernel"], tuple(x["grid"]), x["block"], x["pdl"],
-                                                             x.get("smem", 0))
+                                                             x.get("smem", 0), x.get("coop", False))
                                                       for x in b["launches"])) for b in d["buckets"])
     d["workspace"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["workspace"])
     d["weights"] = tuple(PackedWeight(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()})

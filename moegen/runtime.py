@@ -412,8 +412,11 @@ class Layer:
         cfg = self._configs.get(key)
         if cfg is None:
             ln = self.plan.buckets[bi].launches[li]
-            gx = n if ln.grid[0] == "n" else int(ln.grid[0])
+            # "sms": one block per multiprocessor of this device (a cooperative launch: all resident)
+            gx = (n if ln.grid[0] == "n" else int(self.device.properties.multiprocessor_count) if ln.grid[0] == "sms"
+                  else int(ln.grid[0]))
             cfg = self._configs[key] = LaunchConfig(grid=(gx, int(ln.grid[1])), block=ln.block, shmem_size=ln.smem,
+                                                     is_cooperative=ln.coop,
                                                      programmatic_stream_serialization=ln.pdl and _PDL)
         return cfg
 

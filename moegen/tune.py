@@ -30,13 +30,13 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
             + tuple(Tuning(router_split=r) for r in (1, 2, 4, 8)) + tuple(Tuning(fused=f) for f in (1, 2, 4))
             + tuple(Tuning(prefill_from=p) for p in (64, 128, 256, 512, 1024, 2048, 1 << 20))
             + (Tuning(prefill_ws=True), Tuning(prefill_bm=64), Tuning(prefill_bm=64, prefill_stages=3),
-               Tuning(prefill_stages=3)))
+               Tuning(prefill_stages=3), Tuning(single=False)))
 
 
 def _label(t: Tuning) -> str:
     """A variant's short name: warps x down tiles, then each other choice that is not the analytic one."""
     return f"{t.warps}x{t.down_tiles}" + "".join(
-        f" {f.name}" + ("" if isinstance(v, bool) else f"={v}")
+        (f" {f.name}" if v is True else f" no {f.name}" if v is False else f" {f.name}={v}")
         for f in fields(Tuning) if f.name not in ("warps", "down_tiles") and (v := getattr(t, f.name)) != f.default)
 
 

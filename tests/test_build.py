@@ -203,7 +203,7 @@ def test_manifest_check_tolerates_only_another_nvrtc(tmp_path: Path, monkeypatch
         k["registers"] += 2
     monkeypatch.setattr(sys.modules[__name__], "GENERATED", fake_generated(tmp_path / "a", m, json.dumps(other)))
     test_generated_manifest_is_up_to_date(QWEN, made)  # passes
-    other["buckets"][0]["launches"][0]["grid"][0] += 1
+    other["buckets"][0]["launches"][0]["block"] += 32
     monkeypatch.setattr(sys.modules[__name__], "GENERATED", fake_generated(tmp_path / "b", m, json.dumps(other)))
     with pytest.raises(AssertionError, match=re.escape(STALE_HINT)):
         test_generated_manifest_is_up_to_date(QWEN, made)

@@ -127,7 +127,8 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
 
 
 def _layer(plan: Any) -> runtime.Layer:
-    device = SimpleNamespace(device_id=0, set_current=lambda: None)
+    device = SimpleNamespace(device_id=0, set_current=lambda: None,
+                             properties=SimpleNamespace(multiprocessor_count=132))
     return runtime.Layer(plan, b"", [k.name for k in plan.kernels], device=device)
 
 

@@ -94,6 +94,17 @@ MOE_DEVICE void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
   const u32 dst = (u32)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
 }
+// mbarriers (shared memory, CTA scope): init with an arrival count; wait for the phase of a parity.
+MOE_DEVICE void mbar_init(u32 addr, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+}
+// The barrier's phase of this parity has completed (a spin on try_wait, which suspends a while).
+MOE_DEVICE void mbar_wait(u32 addr, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(addr), "r"(parity) : "memory");
+}
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -1318,6 +1329,283 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
   });
   if (SHARED) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc);
   out[(size_t)tk * H + h] = f32_to_bf16(acc);
+}
+
+// ---- one token, one launch: router, route, gate/up and down + weighted sum in a single grid ----
+// At N = 1 a fine-grained layer reads tens of MB in a few microseconds, and the dependent-launch
+// chain (router -> gate/up -> down) costs about as much as the bytes: each kernel's start, its
+// first memory round trip and its drain are exposed. This kernel runs the whole layer in one
+// grid of one block per multiprocessor, all resident, with two grid-wide barriers:
+//
+//   1. router logits: (16-row tile, K part) units over the blocks, partial sums in `logits`;
+//   -- barrier --
+//   2. every block routes the token itself (route_body into its shared memory: no barrier), then
+//      asks the copy engine (cp.async.bulk) for its whole share of the down weights (its 16
+//      output rows of every chosen expert, and of the shared expert), which stream into shared
+//      memory while it computes gate/up: the memory is never idle between gate/up and down;
+//   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
+//      chunks of weights in flight in registers; act to global;
+//   -- barrier --
+//   4. down: the block's rows of every expert from shared memory, the activations staged once,
+//      the partial sums added in warp order, then the choices in choice order: out, in bf16.
+//
+// No floating-point atomics; every sum has a fixed order (the result is the same run to run).
+// The barrier is a counter and a generation word (ws.gbar), both left ready for the next call.
+// BF16 weights (routed and shared), no expert parallelism, biases or identity experts: the plan
+// (moegen.families.single_fits) gives this kernel only such layers, and the shapes it fits.
+
+// Grid-wide barrier of a fully resident grid: bar[0] counts arrivals, bar[1] is the generation.
+MOE_DEVICE void grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* gen = bar + 1;
+    const unsigned g0 = *gen;
+    __threadfence();  // this block's writes, before its arrival
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      bar[0] = 0;  // every block has arrived: reset for the next barrier
+      __threadfence();
+      atomicExch(bar + 1, g0 + 1);
+    } else {
+      while (*gen == g0) __nanosleep(32);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// A 1-D bulk copy global -> shared, completing `bytes` of the mbarrier's transaction count.
+MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
+// row group (w2's layout); RUNITS router units (tiles x KSPLIT parts); UR gate/up units a block
+// takes per round (reduction space); WARPS warps; P chunks in flight per warp.
+template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P>
+MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
+                            const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
+                            const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr_in,
+                            const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
+                            const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
+                            int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
+                            bf16_t* __restrict__ out) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
+  constexpr int PIECES = K * KCD + KCDS;          // 1 KB pieces: 16 rows x 32 K of one chunk
+  constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
+  constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
+  constexpr int RTILES = ROWS_PAD / 16;
+  constexpr int AUD = 2 * TPB;  // 16-byte fragments per lane and chunk of a packed down row group
+  static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
+  static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
+  extern __shared__ __align__(128) uint4 dyn[];
+  uint4* pieces = dyn;                                                    // PIECES x 64 uint4
+  bf16_t* sact = reinterpret_cast<bf16_t*>(dyn + PIECES * 64);           // K*I + IS activations
+  float* red = reinterpret_cast<float*>(dyn + PIECES * 64 + (K * I + IS + 7) / 8);
+  __shared__ __align__(8) unsigned long long bar_mem;
+  __shared__ int s_ids[K], s_pair[K], s_num[4], s_slot_e[K], s_slot_b[K + 1], s_slot_t[K];
+  __shared__ float s_w[K], s_gate[1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const u32 bar = (u32)__cvta_generic_to_shared(&bar_mem);
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  grid_dep_wait();  // x (and the last call's readers of this workspace) are done
+
+  // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks
+  for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
+    const int tile = u / KSPLIT, part = u % KSPLIT;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const int ck = part * (KC / KSPLIT) + c;
+        const uint4* a = wr + ((size_t)tile * KC + ck) * 64 + lane;
+        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xr_in + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        mma_bf16(acc, a[0], b.x, b.y);
+        mma_bf16(acc, a[32], b.z, b.w);
+      }
+    }
+    if (t == 0) {
+      red[warp * 16 + g] = acc[0];
+      red[warp * 16 + g + 8] = acc[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      float s = 0.0f;
+      for (int w = 0; w < WARPS; ++w) s += red[w * 16 + threadIdx.x];
+      logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
+    }
+    __syncthreads();
+  }
+  grid_barrier(gbar);
+  grid_dep_launch();  // every block is resident: the next kernel may be scheduled
+
+  // 2. the route, in every block (the same inputs, the same code: the same choices)
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
+      logits, corr_bias, router_bias, s_ids, s_w, s_pair, s_gate, s_num, s_slot_e, s_slot_b, s_slot_t, 1);
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
+    topk_ids[threadIdx.x] = s_ids[threadIdx.x];
+    topk_w[threadIdx.x] = s_w[threadIdx.x];
+  }
+  // this block's first 16 output rows of down: request every piece now (slot order, then chunks)
+  auto request = [&](int r16) {
+    if (warp == 0) {
+      if (lane == 0) mbar_expect(bar, PIECES * 1024);
+      __syncwarp();
+      const int group = r16 / TPB, mt = r16 % TPB;
+      for (int p = lane; p < PIECES; p += 32) {
+        const uint4* src;
+        if (p < K * KCD) {
+          const int s = p / KCD, c = p % KCD;
+          src = w2 + ((((size_t)s_slot_e[s] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
+        } else {
+          const int c = p - K * KCD;
+          src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
+        }
+        bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar);
+      }
+    }
+  };
+  if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+
+  // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles
+  constexpr int UNITS = K * TI + TIS;
+  for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
+    const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
+    auto weights = [&](int k) -> const uint4* {
+      const int u = u0 + k * gridDim.x;
+      return u < K * TI ? w13 + ((size_t)s_slot_e[u / TI] * TI + u % TI) * KC * 128
+                        : ws13 + (size_t)(u - K * TI) * KC * 128;
+    };
+    // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight
+    const int q_end = nu * CPU;
+    uint4 buf[P][4];
+    auto load = [&](int q, uint4 (&b)[4]) {
+      if (q < q_end) {
+        const uint4* a = weights(q / CPU) + (size_t)(warp + (q % CPU) * WARPS) * 128 + lane;
+#pragma unroll
+        for (int f = 0; f < 4; ++f) b[f] = __ldcs(a + f * 32);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < P; ++s) load(s, buf[s]);
+    float acc[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+    for (int q0 = 0; q0 < q_end; q0 += P) {
+#pragma unroll
+      for (int s = 0; s < P; ++s) {
+        const int q = q0 + s, c = warp + (q % CPU) * WARPS;
+        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+          mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+        }
+        load(q + P, buf[s]);
+        if ((q + 1) % CPU == 0) {  // the end of unit q / CPU: this warp's partial sums
+          if (t == 0) {
+            float* rk = red + ((q / CPU) * WARPS + warp) * 32;
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              rk[m * 16 + g] = acc[m][0];
+              rk[m * 16 + g + 8] = acc[m][2];
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+      const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
+      float gv = 0.0f, uv = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        gv += red[(k * WARPS + w) * 32 + r];
+        uv += red[(k * WARPS + w) * 32 + 16 + r];
+      }
+      if (u < K * TI) {
+        act[(u / TI) * I + (u % TI) * 16 + r] = f32_to_bf16(activate<true>(gv, uv));
+      } else {
+        act_s[(u - K * TI) * 16 + r] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      }
+    }
+    __syncthreads();
+  }
+  grid_barrier(gbar);
+
+  // 4. down + the weighted sum, 16 output rows at a time
+  for (int i = threadIdx.x; i < (K * I + IS) / 8; i += THREADS) {  // the activations, from L2
+    const bf16_t* src = i < K * I / 8 ? act + i * 8 : act_s + (i - K * I / 8) * 8;
+    cp_async16(sact + i * 8, src, true);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  u32 parity = 0;
+  for (int r16 = blockIdx.x; r16 < H / 16; r16 += gridDim.x) {
+    if (r16 != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
+      __syncthreads();
+      request(r16);
+    }
+    mbar_wait(bar, parity);
+    parity ^= 1;
+    float o[DSLOTS][4];
+#pragma unroll
+    for (int s = 0; s < DSLOTS; ++s) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) o[s][r] = 0.0f;
+      const int base = s * KCD, kcd = s < K ? KCD : KCDS;
+      const bf16_t* xa = sact + (s < K ? s * I : K * I) + t * 8;
+      for (int c = ((warp - base) % WARPS + WARPS) % WARPS; c < kcd; c += WARPS) {
+        const uint4* pc = pieces + (base + c) * 64 + lane;
+        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xa + c * 32) : make_uint4(0, 0, 0, 0);
+        mma_bf16(o[s], pc[0], b.x, b.y);
+        mma_bf16(o[s], pc[32], b.z, b.w);
+      }
+    }
+    if (t == 0) {
+#pragma unroll
+      for (int s = 0; s < DSLOTS; ++s) {
+        red[(warp * DSLOTS + s) * 16 + g] = o[s][0];
+        red[(warp * DSLOTS + s) * 16 + g + 8] = o[s][2];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {  // row r: each operand's warp sums in warp order, then the choices in order
+      const int r = threadIdx.x;
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        const int s = s_pair[j];
+        float y = 0.0f;
+        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+        acc = fmaf(s_w[j], y, acc);
+      }
+      if (KCDS > 0) {
+        float y = 0.0f;
+        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + K) * 16 + r];
+        acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, y, acc);
+      }
+      out[r16 * 16 + r] = f32_to_bf16(acc);
+    }
+    __syncthreads();
+  }
 }
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
