@@ -105,8 +105,8 @@ class Tuning:
     prefill_stages: int = 0
     prefill_ws: bool = False
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
-    # pair over all tokens (compiled and planned; not yet run on a GPU, so off in the analytic plan).
-    prefill_shared: bool = False
+    # pair over all tokens (checked against the reference on the H200; False keeps them on the GEMV path).
+    prefill_shared: bool = True
     # The one-token bucket as a single launch (single_fits: where its down weights fit in shared
     # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.
     single: bool = True

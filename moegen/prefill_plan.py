@@ -38,14 +38,14 @@ def tiles(c: Layer) -> GemmTiles:
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16
     SiLU-gated routed experts without biases, all on this device, and a BF16 shared expert (as
-    one more GEMM pair over all tokens) where the tuning asks for it (prefill_shared: compiled and
-    planned, not yet run on a GPU)."""
+    one more GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on the
+    GEMV path)."""
     spec = c.spec
     w = tiles(c).threads // 32
     checks = (
         (c.fmt_e != "bf16", f"experts.format={c.fmt_e}"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
-        (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared)"),
+        (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != "bf16" or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias, "expert biases"),
         (c.woi, "routing weights on the input"),

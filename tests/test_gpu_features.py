@@ -82,7 +82,7 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen1.5-moe-a2.7b"])
 def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
-    """The prefill_shared tuning (a shared expert as one more GEMM pair over all tokens, its
+    """Prefill with a shared expert (one more GEMM pair over all tokens, its
     sigmoid gate in the combine) at both ends of the first prefill bucket, against the reference;
     the largest N of the bucket bitwise repeatable. The two layers cover an ungated and a gated
     shared expert."""
@@ -91,7 +91,7 @@ def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
 
     data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml").read_text())
     spec = parse_spec({**data, "max_tokens": 1024}, check_generated=False)
-    plan = make_plan(spec, tuning=Tuning(prefill_shared=True))
+    plan = make_plan(spec)
     below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)

@@ -223,15 +223,15 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], small)
 
 
-def test_prefill_with_a_shared_expert_is_a_tuning(fake_cuda):
-    """A BF16 shared expert (with its sigmoid gate) gets prefill buckets only where the tuning asks
-    (prefill_shared): then its GEMM pair runs over every token after the routed experts' and the
-    combine adds gate * YS, every pointer given."""
+def test_prefill_with_a_shared_expert(fake_cuda):
+    """A BF16 shared expert (with its sigmoid gate) gets prefill buckets unless the tuning keeps it
+    on the GEMV path (prefill_shared=False): its GEMM pair runs over every token after the routed
+    experts' and the combine adds gate * YS, every pointer given."""
     spec = parse_spec({**BASE, "experts": {"count": 64, "top_k": 8, "intermediate_size": 256},
                        "shared_expert": {"intermediate_size": 256, "gate": "sigmoid"}, "max_tokens": 512},
                       check_generated=False)
-    assert make_plan(spec).prefill_from == 0
-    plan = make_plan(spec, tuning=Tuning(prefill_shared=True))
+    assert make_plan(spec, tuning=Tuning(prefill_shared=False)).prefill_from == 0
+    plan = make_plan(spec)
     assert plan.prefill_from == 256  # 64 experts, top-8: 32 tokens each on average
     fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
     assert fams[-3:] == ["prefill_gemm_gate_up_shared", "prefill_gemm_down_shared", "prefill_combine"]

@@ -4,7 +4,7 @@
 // E=64 routed experts, top-8, H=3584, I=2560, shared expert I=20480 (sigmoid gate).
 // Routing: softmax over 64 experts (fp32 logits) -> top-8.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 55050240 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -1674,6 +1674,322 @@ MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restri
   }
 }
 
+// ---- prefill: a grouped GEMM on Hopper's warpgroup tensor cores (wgmma, sm_90a) ----
+// Y[p, n] = sum_k X[tok[p], k] * W[e, n, k] for the token rows p of expert e, in the permuted
+// order (rows grouped by expert). A block computes BM token rows x BN weight rows of one
+// expert: A (BM x 64 K, gathered from X through tok) and B (BN x 64 K, from W[e]) are K-major
+// in shared memory with the 128-byte swizzle wgmma reads, in a STAGES-deep cp.async ring; each
+// warpgroup multiplies its 64 token rows by the block's BN weight rows (wgmma m64nBNk16, fp32
+// accumulators in registers). Results in bf16. Each output element is one fixed sequence of
+// wgmma k-steps: the same bits whatever the other tokens of the batch.
+// tiles: [blocks.y][3] int32, (expert, first permuted row, rows in the tile <= BM).
+namespace gg {
+// Byte offset of 16-byte chunk c (0..7) of row r in a [rows][64] bf16 tile, 128-byte swizzle:
+// the chunk index XOR the row within its 8-row group.
+MOE_DEVICE u32 swz128(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+// wgmma matrix descriptor of a K-major tile at shared address `addr` (1024-byte aligned tile;
+// a k-step adds 32 bytes): 128-byte swizzle, 8-row groups 1024 bytes apart.
+MOE_DEVICE unsigned long long smem_desc(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+MOE_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+MOE_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+MOE_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+MOE_DEVICE void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across wgmma issue and wait.
+template <int R>
+MOE_DEVICE void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d (64 x 128 fp32, this thread's 64) = A (64 x 16) * B (16 x 128) + (accumulate ? d : 0)
+MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+}  // namespace gg
+
+
+// ---- prefill gate/up from the decode path's packed weights (no second copy) ----
+// H[p, i] = act(X'[tok[p]] . Wg[e, i], X'[tok[p]] . Wu[e, i]) for the token rows p of expert e.
+// The weights are the GEMV tiles (moegen.weights.pack_tiles: a lane's 16 bytes are its m16n8k16
+// A fragment) and go to the tensor cores as wgmma's register operand A: warp w of the block
+// owns one 16-row tile, its fragments copied into a shared-memory ring and read back by the
+// same lane. X' is X with K permuted inside each 32-wide chunk as the tiles permute it
+// (moegen.prefill.permute_k), so the tokens' B tiles are plain K-major rows, gathered through
+// tok as above. Gate and up of a row are in the same thread: the activation is applied in
+// registers and H written in bf16.
+namespace gg {
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 128, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+MOE_DEVICE uint4 lds128(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+}  // namespace gg
+
+// One block: WARPS 16-row weight tiles (one per warp) x BN token rows of one expert.
+// GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments,
+// the tile's rows X'[tok[row0 + r]] (GATHER false: X'[row0 + r], the shared expert's);
+// out is H' bf16 [P][n_out] (n_out = I), each row's I permuted in 32-wide chunks as permute_k
+// does, ready to be the down GEMM's X'. Otherwise (down): w is the interleaved GEMV layout
+// [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y fp32 [P][n_out] (n_out = H).
+template <bool GATED, int MATS, bool GATHER = GATED>
+MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
+                             const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
+                             int row_tiles) {
+  constexpr int BN = 128, BK = 64, S = 4, THREADS = 256, WARPS = THREADS / 32;
+  constexpr int UNITS = GATED ? 8 : 4;  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step)
+  constexpr int B_BYTES = BN * BK * 2, A_WARP = UNITS * 512, STAGE = B_BYTES + WARPS * A_WARP;
+  constexpr int BJ = BN * 8 / THREADS, NACC = GATED ? 2 : 1;
+  static_assert(BJ * THREADS == BN * 8 && S >= 3 && (B_BYTES % 1024) == 0 && (STAGE % 1024) == 0, "tile shape");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
+  const u32 base = (raw + 1023u) & ~1023u;
+  unsigned char* sbase = smem_raw + (base - raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int e = tiles[blockIdx.y * 3], row0 = tiles[blockIdx.y * 3 + 1], rows = tiles[blockIdx.y * 3 + 2];
+  if (rows <= 0) return;  // past the routing's tiles (the grid is sized for the most there can be)
+  const int it = blockIdx.x * WARPS + warp;  // this warp's 16-row tile
+  const int kc = k_dim / 32;
+  // unit u of k-tile kt: GATED (chunk 2kt + u/4, matrix u/2 % 2, k-step u % 2); else (chunk 2kt + u/2, k-step u % 2)
+  const uint4* asrc = GATED ? w + ((size_t)e * row_tiles + it) * kc * 4 * 32 + lane
+                            : w + (((size_t)e * (row_tiles / MATS) + it / MATS) * kc * MATS + it % MATS) * 64 + lane;
+  const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
+  const bf16_t* bsrc[BJ];
+  u32 bdst[BJ];
+  bool alive[BJ];
+#pragma unroll
+  for (int j = 0; j < BJ; ++j) {
+    const int i = tid + j * THREADS, r = i >> 3, c = i & 7;
+    alive[j] = r < rows;
+    // gate/up gathers the tokens' rows of X' (GATHER; the shared expert's: every token in order);
+    // down reads H' by permuted row
+    bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + c * 8;
+    bdst[j] = gg::swz128(r, c);
+  }
+  const int ktiles = k_dim / BK;
+  auto load = [&](int kt) {
+    if (kt < ktiles) {
+      unsigned char* st = sbase + (kt % S) * STAGE;
+#pragma unroll
+      for (int j = 0; j < BJ; ++j) cp_async16(st + bdst[j], bsrc[j] + kt * BK, alive[j]);
+#pragma unroll
+      for (int u = 0; u < UNITS; ++u) {
+        const size_t off = GATED ? ((size_t)kt * 8 + u) * 32
+                                 : (((size_t)kt * 2 + u / 2) * MATS * 2 + u % 2) * 32;  // chunk stride MATS*2 units
+        cp_async16(st + adst + u * 512, asrc + off, true);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[NACC][BN / 2];
+#pragma unroll
+  for (int a = 0; a < NACC; ++a)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
+#pragma unroll
+  for (int kt = 0; kt < S - 2; ++kt) load(kt);
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<S - 3>();
+    gg::fence_async_smem();
+    __syncthreads();  // B from every thread; the stage tile kt + S - 2 replaces was released at step kt - 2
+    const u32 st = base + (u32)((kt % S) * STAGE);
+    uint4 af[NACC][4];  // per k-step kk = 2 * chunk + s
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int a = 0; a < NACC; ++a)
+        af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+    gg::wg_fence();
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned long long bd = gg::smem_desc(st + kk * 32);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], af[a][kk], bd, kt > 0 || kk > 0);
+    }
+    gg::wg_commit();
+    load(kt + S - 2);  // while the tensor cores work
+    // The A registers are read until the group completes: a second group in flight (wait<1>, the
+    // next step's fragments loaded meanwhile) makes ptxas serialize the wgmmas (C7513) all the same.
+    gg::wg_wait<0>();
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+  }
+
+  // Accumulator j: weight row 16*it + lane/4 (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2.
+#pragma unroll
+  for (int j = 0; j < BN / 2; ++j) {
+    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
+    const int n = (j >> 2) * 8 + 2 * (lane & 3) + (j & 1);
+    if (n >= rows || i >= n_out) continue;
+    if (GATED) {  // column i of H at its permuted place: col = 8t + 4s + 2q + jj -> 16s + 8q + 2t + jj
+      const int c = i & 31;
+      const int at = (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1);
+      static_cast<bf16_t*>(out)[(size_t)(row0 + n) * n_out + at] = f32_to_bf16(activate<true>(acc[0][j], acc[NACC - 1][j]));
+    } else {
+      static_cast<float*>(out)[(size_t)(row0 + n) * n_out + i] = acc[0][j];
+    }
+  }
+}
+
+
+
+// ---- prefill token grouping (a stable counting sort by expert) and the weighted combine ----
+// Entries i = t * top_k + j of the routing ids [n][top_k], in chunks of 1024 (one block each).
+// Routed experts only: an id >= E (a zero expert) gets no row; the combine adds its weight * x.
+// 1. per chunk, how many entries each expert has: counts[chunk][E]
+MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int experts, int* __restrict__ counts) {
+  __shared__ int cnt[512];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  const int i = blockIdx.x * 1024 + threadIdx.x;
+  if (i < entries && ids[i] < experts) atomicAdd(&cnt[ids[i]], 1);  // integer counts: any order, one result
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[(size_t)blockIdx.x * experts + e] = cnt[e];
+}
+// 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
+//    expert's first row (in expert order), and the tile table: (expert, first row, rows) per
+//    tile of bm rows, then (0, 0, 0) up to max_tiles so that the GEMMs' extra blocks return.
+// With a shared expert, also its tile table over all n tokens in order: (0, first row, rows),
+// shared_max entries (the rows <= 0 past n).
+MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
+                                  int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
+                                  int* __restrict__ shared_tiles = nullptr, int shared_max = 0) {
+  for (int t = threadIdx.x; t < shared_max; t += blockDim.x) {
+    shared_tiles[(size_t)t * 3] = 0;
+    shared_tiles[(size_t)t * 3 + 1] = t * bm;
+    shared_tiles[(size_t)t * 3 + 2] = min(bm, n_shared - t * bm);
+  }
+  __shared__ int total[512], ntile[512];
+  __shared__ int tiles_used;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int v = counts[(size_t)c * experts + e];
+      counts[(size_t)c * experts + e] = run;
+      run += v;
+    }
+    total[e] = run;
+    ntile[e] = (run + bm - 1) / bm;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // E <= 512: a serial scan of a few microseconds
+    int row = 0, tile = 0;
+    for (int e = 0; e < experts; ++e) {
+      first[e] = row;
+      const int t0 = tile;
+      row += total[e];
+      tile += ntile[e];
+      ntile[e] = t0;  // now the expert's first tile
+    }
+    first[experts] = row;
+    tiles_used = tile;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    for (int r = 0; r * bm < total[e]; ++r) {
+      int* t = tiles + (size_t)(ntile[e] + r) * 3;
+      t[0] = e;
+      t[1] = first[e] + r * bm;
+      t[2] = min(bm, total[e] - r * bm);
+    }
+  }
+  for (int t = tiles_used + threadIdx.x; t < max_tiles; t += blockDim.x) {
+    tiles[(size_t)t * 3] = 0;
+    tiles[(size_t)t * 3 + 1] = 0;
+    tiles[(size_t)t * 3 + 2] = 0;
+  }
+}
+// 3. each entry's row: its expert's first row, + its expert's entries in earlier chunks, in
+//    earlier warps of its chunk, in earlier lanes of its warp. tok[row] = its token, slot[entry] =
+//    row (-1 for a zero expert).
+MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int experts, int top_k,
+                                   const int* __restrict__ counts, const int* __restrict__ first,
+                                   int* __restrict__ tok, int* __restrict__ slot) {
+  __shared__ unsigned short wcnt[32][512];
+  for (int k = threadIdx.x; k < 32 * experts; k += blockDim.x) wcnt[k / experts][k % experts] = 0;
+  __syncthreads();
+  const int i = blockIdx.x * 1024 + threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = i < entries ? ids[i] : -1;
+  const bool routed = e >= 0 && e < experts;
+  const unsigned same = __match_any_sync(0xffffffffu, routed ? e : -1);
+  const int before_lane = __popc(same & ((1u << lane) - 1u));
+  if (routed && before_lane == 0) wcnt[warp][e] = (unsigned short)__popc(same);
+  __syncthreads();
+  if (i < entries) {
+    if (!routed) {
+      slot[i] = -1;
+      return;
+    }
+    int row = first[e] + counts[(size_t)blockIdx.x * experts + e] + before_lane;
+    for (int w = 0; w < warp; ++w) row += wcnt[w][e];
+    tok[row] = i / top_k;
+    slot[i] = row;
+  }
+}
+// out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
+// then + gate[t] * YS[t, c] with a shared expert (gate null: 1); bf16 out. Four columns c .. c + 3
+// of token t a thread.
+MOE_DEVICE void prefill_combine_body(const float* __restrict__ y, const int* __restrict__ slot,
+                                     const float* __restrict__ wts, const bf16_t* __restrict__ x,
+                                     bf16_t* __restrict__ out, int hidden, int top_k, int t, int c,
+                                     const float* __restrict__ ys = nullptr, const float* __restrict__ gate = nullptr) {
+  if (c >= hidden) return;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < top_k; ++j) {
+    const float wj = wts[t * top_k + j];
+    const int row = slot[t * top_k + j];
+    if (row >= 0) {
+      const float4 v = *reinterpret_cast<const float4*>(y + (size_t)row * hidden + c);
+      s[0] = fmaf(wj, v.x, s[0]);
+      s[1] = fmaf(wj, v.y, s[1]);
+      s[2] = fmaf(wj, v.z, s[2]);
+      s[3] = fmaf(wj, v.w, s[3]);
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)t * hidden + c);
+      s[0] = fmaf(wj, bf16_to_f32((bf16_t)(v.x & 0xffffu)), s[0]);
+      s[1] = fmaf(wj, bf16_to_f32((bf16_t)(v.x >> 16)), s[1]);
+      s[2] = fmaf(wj, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
+      s[3] = fmaf(wj, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
+    }
+  }
+  if (ys) {
+    const float g = gate ? gate[t] : 1.0f;
+    const float4 v = *reinterpret_cast<const float4*>(ys + (size_t)t * hidden + c);
+    s[0] = fmaf(g, v.x, s[0]);
+    s[1] = fmaf(g, v.y, s[1]);
+    s[2] = fmaf(g, v.z, s[2]);
+    s[3] = fmaf(g, v.w, s[3]);
+  }
+  *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
+}
+// X' from X [n][hidden]: each 32-wide chunk in the GEMV tiles' K order (moegen.prefill.permute_k):
+// position 16s + 8q + 2t + jj holds column 8t + 4s + 2q + jj. One pair of columns (pair) of
+// token t a thread.
+MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp, int hidden, int t,
+                                     int pair) {
+  if (2 * pair >= hidden) return;
+  const int at = 2 * pair, c = at & 31, s = c >> 4, q = (c >> 3) & 1, tt = (c >> 1) & 3;
+  const int col = (at & ~31) + 8 * tt + 4 * s + 2 * q;
+  *reinterpret_cast<u32*>(xp + (size_t)t * hidden + at) = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+}
+
 // ---- the plan's invariants, re-checked by the compiler ----
 static_assert(3584 % 32 == 0, "hidden size: whole 32-wide K chunks and down row groups");
 static_assert(2560 % 32 == 0, "expert width: whole 16-row tiles and 32-wide K chunks");
@@ -1734,4 +2050,48 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 // down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt4_bf16_si20480_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 4, 4, 4, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+// router: 80 rows x 3584, K split 1 ways, 32 tokens per pass
+extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks1_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<112, 4, 4, 4, 1, 80, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// route: softmax over 64 experts (fp32 logits) -> top-8; one token per warp
+extern "C" __global__ void __launch_bounds__(1024) moe_route_e64_k8_softmax_scores_sgate_fp32_n256_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<64, 80, 8, 1, 256, true, 1024, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+// prefill: X' (each 32-wide K chunk in the packed tiles' order)
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h3584_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
+  prefill_permute_body(x, xp, 3584, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
+}
+// prefill: entries per expert in each chunk of 1024 (token, choice) entries
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e64_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
+  prefill_count_body(ids, n * 8, 64, counts);
+}
+// prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e64_k8_r128_n256_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
+  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 64, 128, 80, first, tiles, n, stiles, 2);
+}
+// prefill: each (token, choice) entry's row, grouped by expert in a stable order
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e64_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
+  prefill_place_body(ids, n * 8, 64, 8, counts, first, tok, slot);
+}
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_gate_up_e64_h3584_i2560_bm128_bn128_s4_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h) {
+  prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 2560, 3584, 160);
+}
+// prefill: Y = H' Wd per expert (fp32), 8 16-row tiles x 128 tokens a block
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_e64_h3584_i2560_bm128_bn128_s4_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, float* __restrict__ y) {
+  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 3584, 2560, 224);
+}
+// prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 128 tokens a block
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_gate_up_shared_h3584_i20480_bm128_bn128_s4_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h) {
+  prefill_gemm<true, 2, false>(xp, nullptr, ws13, stiles, h, 20480, 3584, 1280);
+}
+// prefill: the shared expert's YS = H' Wd (fp32)
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_shared_h3584_i20480_bm128_bn128_s4_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, float* __restrict__ y) {
+  prefill_gemm<false, 2>(hp, nullptr, ws2, stiles, y, 3584, 20480, 224);
+}
+// prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + gate * YS
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h3584_k8_sgate_sm_90a(const float* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const float* __restrict__ ys, const float* __restrict__ gate) {
+  prefill_combine_body(y, slot, wts, x, out, 3584, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, gate);
 }
