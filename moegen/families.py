@@ -110,6 +110,9 @@ class Tuning:
     # The one-token bucket as a single launch (single_fits: where its down weights fit in shared
     # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.
     single: bool = True
+    # ... launched cooperatively (the driver refuses a grid that cannot be resident at once); False:
+    # a plain launch, relying on one block per multiprocessor being resident (nothing else running)
+    single_coop: bool = True
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 
 from . import families as F
 from . import prefill_plan as P
@@ -246,7 +246,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     pf = P.prefill_from(c)
     buckets = tuple(_bucket(c, target, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
     pf = min((b.max_tokens for b in buckets if pf and b.max_tokens >= pf), default=0)  # the first prefill bucket
-    return Plan(
+    plan = Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
@@ -261,6 +261,10 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
                                          f"from {pf} tokens, after the route: permute", "count", "scan", "place",
                                          "gate/up GEMM", "down GEMM", "combine")} if pf else {}),
     )
+    if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
+        plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
+                                           f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]))
+    return plan
 
 
 def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], norm_name: str, route_name: str, nf: int,
@@ -274,7 +278,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
     if nb == 1 and nb > nf and F.single_layout(c, target):  # one token: the whole layer in one launch
         kernel, smem = F.single_kernel(c, target)
-        return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem, coop=True)))
+        return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem,
+                                       coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
         router = F.router_kernel(c, nt_dense, False, ksplit=1)
         route = F.route_kernel(c, _routing_desc(c.spec), slots=False)

@@ -5,6 +5,7 @@ kernels compute is the GPU tier's job."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +19,9 @@ from moegen import runtime
 from moegen.arrays import ArrayError, View
 from moegen.families import Tuning
 from moegen.plan import PlanError, make_plan
-from moegen.spec import parse_spec
+from moegen.spec import load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
 from moegen.weights import WeightError, tensors
 
 
@@ -196,6 +199,37 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
             assert config.shmem_size == ln.smem
             if ln.smem > 48 * 1024:  # asked for at load
                 assert drv.smem[kernel] >= ln.smem, f"{kernel}: {ln.smem} bytes of shared memory not allowed"
+
+
+def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda):
+    """The N = 1 bucket of a BF16 layer whose 16 down rows per chosen expert fit in a block's
+    shared memory is one kernel, launched cooperatively on one block per multiprocessor of the
+    device, with its shared memory allowed at load; other layers (and the tuning single=False,
+    and batch_invariant specs: one reduction order for every N) keep the three kernels."""
+    drv, rec = fake_cuda
+    qwen = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
+    (ln,) = make_plan(qwen).buckets[0].launches
+    assert make_plan(qwen).kernel(ln.kernel).family == "single" and ln.grid == ("sms", 1) and ln.coop
+    assert 192 * 1024 < ln.smem <= 227 * 1024  # 8 experts x 16 rows x 768 of down, and the activations
+    for spec, tuning in ((qwen, Tuning(single=False)), (load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml"), None),
+                         (load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml"), None),
+                         (parse_spec({**qwen.model_dump(mode="json", exclude_none=True), "batch_invariant": True},
+                                     check_generated=False), None)):
+        p = make_plan(spec, tuning=tuning)
+        assert [p.kernel(x.kernel).family for x in p.buckets[0].launches][-3:] == ["router", "gate_up", "down"]
+    plan = make_plan(dict(SPECS)["shared_gate"])  # 64 experts, top-10, a gated shared expert
+    (ln,) = plan.buckets[0].launches
+    assert all(plan.kernel(x.kernel).family != "single" for b in plan.buckets[1:] for x in b.launches)
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    rec.launches.clear()  # the packing's
+    layer(FakeArray((1, plan.hidden), "bfloat16"), out=FakeArray((1, plan.hidden), "bfloat16", ptr=0x7200_0000_0000),
+          stream=5)
+    (kernel, config, args), = rec.launches
+    assert kernel == ln.kernel and config.grid == (132, 1) and config.is_cooperative
+    assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
+    assert all(int(a) != 0 for a, key in zip(args, plan.kernel(kernel).arg_keys)
+               if key not in ("w.corr_bias", "w.router_bias"))
 
 
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):

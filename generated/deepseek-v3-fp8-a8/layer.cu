@@ -1416,21 +1416,34 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
+  // The first unit's weights are read before the wait: they do not depend on the kernel before.
+  uint4 ra[RC][2];
+  auto router_weights = [&](int u) {
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const uint4* a = wr + ((size_t)(u / KSPLIT) * KC + (u % KSPLIT) * (KC / KSPLIT) + c) * 64 + lane;
+        ra[j][0] = __ldg(a);
+        ra[j][1] = __ldg(a + 32);
+      }
+    }
+  };
+  if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);
   grid_dep_wait();  // x (and the last call's readers of this workspace) are done
-
-  // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks
   for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
     const int tile = u / KSPLIT, part = u % KSPLIT;
+    if (u != (int)blockIdx.x) router_weights(u);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < RC; ++j) {
       const int c = warp + j * WARPS;
       if (c < KC / KSPLIT) {
         const int ck = part * (KC / KSPLIT) + c;
-        const uint4* a = wr + ((size_t)tile * KC + ck) * 64 + lane;
         const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xr_in + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
-        mma_bf16(acc, a[0], b.x, b.y);
-        mma_bf16(acc, a[32], b.z, b.w);
+        mma_bf16(acc, ra[j][0], b.x, b.y);
+        mma_bf16(acc, ra[j][1], b.z, b.w);
       }
     }
     if (t == 0) {
