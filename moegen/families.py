@@ -84,7 +84,10 @@ class Tuning:
     plan's; kernel names carry any other value."""
 
     warps: int = WARPS
-    down_tiles: int = DOWN_TILES
+    # 16-row tiles per down block, the down weights' packing (0: the analytic choice, DOWN_TILES, or
+    # 1 where the one-token kernel applies: its bulk copies of a block's down rows are then one
+    # contiguous run per expert, not one 1 KB piece per 32-wide chunk)
+    down_tiles: int = 0
     # Down blocks that start early (programmatic dependent launch, while gate/up still runs) ask
     # L2 for their weight tile before they wait: the down weights stream during gate/up.
     prefetch: bool = False
@@ -120,8 +123,9 @@ class Tuning:
         fp4 = "fp4" in spec.experts.format.value or "fp4" in getattr(spec.shared_expert, "format", spec.experts.format).value
         if self.warps not in (2, 4, 8):
             raise TuningError(f"tuning warps={self.warps}: 2, 4 or 8")
-        if self.down_tiles not in (1, 2, 4, 8) or h % (16 * self.down_tiles):
-            raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
+        if self.down_tiles not in (0, 1, 2, 4, 8) or h % (16 * max(self.down_tiles, 1)):
+            raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each "
+                              "(0: the analytic choice)")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
         if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, 3, 4):
@@ -210,7 +214,7 @@ class Layer:
             sh = None
         gated = bool(sh and sh.gate == "sigmoid")
         rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
-        return cls(
+        layer = cls(
             spec=spec, h=h, e=e, z=z, k=k, i=i, si=sh.intermediate_size if sh else 0, gated=gated,
             nmax=spec.max_tokens, rows_pad=rows_pad,
             ksplit=(tune.router_split if tune and tune.router_split else ksplit(rows_pad // 16, h // 32, target)),
@@ -221,6 +225,10 @@ class Layer:
             act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
             ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local, tune=tune or Tuning(),
         )
+        if layer.tune.down_tiles == 0:  # the analytic packing of the down weights
+            t = 1 if single_layout(layer, target) else DOWN_TILES
+            layer = dataclasses.replace(layer, tune=dataclasses.replace(layer.tune, down_tiles=t))
+        return layer
 
 
 def _kernel_format(fmt: str, spec: Spec) -> str:
@@ -521,7 +529,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     for every N only where the spec does not ask for it (batch_invariant), hidden sizes whose
     32-wide chunks split evenly over its warps, and a block's share of the down weights (16 rows
     of every chosen expert and of the shared expert, 1 KB per 32-wide chunk) must fit in shared
-    memory beside the staged activations and the reduction space."""
+    memory beside the reduction space."""
     if not c.tune.single or c.spec.batch_invariant or c.kf_e != "bf16" or (c.si and c.kf_s != "bf16"):
         return None
     if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed:
@@ -534,10 +542,9 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     ur = -(-units // target.sm_count)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
-    act = -(-(c.k * c.i + c.si) * 2 // 16) * 16
     red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, SINGLE_WARPS * dslots * 16)
-    static = 8 * (c.e + c.z) + 64 * c.k + 64  # route_body's counters, the block's routing
-    smem = pieces * 1024 + act + red
+    static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
+    smem = pieces * 1024 + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
 
 

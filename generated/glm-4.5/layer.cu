@@ -1346,29 +1346,27 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 //   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
 //      chunks of weights in flight in registers; act to global;
 //   -- barrier --
-//   4. down: the block's rows of every expert from shared memory, the activations staged once,
+//   4. down: the block's rows of every expert from shared memory, the activations from L2,
 //      the partial sums added in warp order, then the choices in choice order: out, in bf16.
 //
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
-// The barrier is a counter and a generation word (ws.gbar), both left ready for the next call.
+// The barrier is one word (ws.gbar) whose top bit flips at each barrier: nothing to reset.
 // BF16 weights (routed and shared), no expert parallelism, biases or identity experts: the plan
 // (moegen.families.single_fits) gives this kernel only such layers, and the shapes it fits.
 
-// Grid-wide barrier of a fully resident grid: bar[0] counts arrivals, bar[1] is the generation.
+// Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
+// 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
+// is; each block waits for the flip of the value it added to. The word is never reset.
 MOE_DEVICE void grid_barrier(unsigned* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g0 = *gen;
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
     __threadfence();  // this block's writes, before its arrival
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      bar[0] = 0;  // every block has arrived: reset for the next barrier
-      __threadfence();
-      atomicExch(bar + 1, g0 + 1);
-    } else {
-      while (*gen == g0) __nanosleep(32);
-    }
-    __threadfence();
+    const unsigned old = atomicAdd(bar, add);
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    } while (((old ^ now) & 0x80000000u) == 0);
   }
   __syncthreads();
 }
@@ -1403,12 +1401,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int AUD = 2 * TPB;  // 16-byte fragments per lane and chunk of a packed down row group
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
+  static_assert(TPB != 1 || DSLOTS <= 32, "one lane per operand's bulk copy");
   extern __shared__ __align__(128) uint4 dyn[];
-  uint4* pieces = dyn;                                                    // PIECES x 64 uint4
-  bf16_t* sact = reinterpret_cast<bf16_t*>(dyn + PIECES * 64);           // K*I + IS activations
-  float* red = reinterpret_cast<float*>(dyn + PIECES * 64 + (K * I + IS + 7) / 8);
+  uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
+  float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
   __shared__ __align__(8) unsigned long long bar_mem;
-  __shared__ int s_ids[K], s_pair[K], s_num[4], s_slot_e[K], s_slot_b[K + 1], s_slot_t[K];
+  __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(&bar_mem);
@@ -1461,30 +1459,42 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   grid_barrier(gbar);
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
 
-  // 2. the route, in every block (the same inputs, the same code: the same choices)
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule>(
-      logits, corr_bias, router_bias, s_ids, s_w, s_pair, s_gate, s_num, s_slot_e, s_slot_b, s_slot_t, 1);
+  // 2. the route, in every block (the same inputs, the same code: the same choices). Slot j of
+  // the expert work is choice j (one token: no grouping).
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false, false>(
+      logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
-  // this block's first 16 output rows of down: request every piece now (slot order, then chunks)
+  // this block's first 16 output rows of down: request every piece now (slot order, then chunks);
+  // with one tile per packed row group (TPB 1) an expert's rows are one contiguous run
   auto request = [&](int r16) {
     if (warp == 0) {
       if (lane == 0) mbar_expect(bar, PIECES * 1024);
       __syncwarp();
-      const int group = r16 / TPB, mt = r16 % TPB;
-      for (int p = lane; p < PIECES; p += 32) {
-        const uint4* src;
-        if (p < K * KCD) {
-          const int s = p / KCD, c = p % KCD;
-          src = w2 + ((((size_t)s_slot_e[s] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
-        } else {
-          const int c = p - K * KCD;
-          src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
+      if (TPB == 1) {
+        if (lane < K) {
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * 64),
+                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, bar);
+        } else if (KCDS > 0 && lane == K) {
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * 64), ws2 + (size_t)r16 * KCDS * 64, KCDS * 1024,
+                    bar);
         }
-        bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar);
+      } else {
+        const int group = r16 / TPB, mt = r16 % TPB;
+        for (int p = lane; p < PIECES; p += 32) {
+          const uint4* src;
+          if (p < K * KCD) {
+            const int j = p / KCD, c = p % KCD;
+            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
+          } else {
+            const int c = p - K * KCD;
+            src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
+          }
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar);
+        }
       }
     }
   };
@@ -1496,7 +1506,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
     auto weights = [&](int k) -> const uint4* {
       const int u = u0 + k * gridDim.x;
-      return u < K * TI ? w13 + ((size_t)s_slot_e[u / TI] * TI + u % TI) * KC * 128
+      return u < K * TI ? w13 + ((size_t)s_ids[u / TI] * TI + u % TI) * KC * 128
                         : ws13 + (size_t)(u - K * TI) * KC * 128;
     };
     // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight
@@ -1561,14 +1571,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   grid_barrier(gbar);
 
-  // 4. down + the weighted sum, 16 output rows at a time
-  for (int i = threadIdx.x; i < (K * I + IS) / 8; i += THREADS) {  // the activations, from L2
-    const bf16_t* src = i < K * I / 8 ? act + i * 8 : act_s + (i - K * I / 8) * 8;
-    cp_async16(sact + i * 8, src, true);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
+  // ... of each operand's run (p = s * KCD + c), its activations straight from L2 (other blocks
+  // wrote them), all of them asked for before the first product.
+  constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   u32 parity = 0;
   for (int r16 = blockIdx.x; r16 < H / 16; r16 += gridDim.x) {
     if (r16 != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
@@ -1576,27 +1582,35 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       __syncthreads();
       request(r16);
     }
-    mbar_wait(bar, parity);
-    parity ^= 1;
-    float o[DSLOTS][4];
+    uint4 b[DSLOTS][CW > CWS ? CW : CWS];
 #pragma unroll
     for (int s = 0; s < DSLOTS; ++s) {
+      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
+      const bf16_t* xa = s < K ? act + s * I : act_s;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) o[s][r] = 0.0f;
-      const int base = s * KCD, kcd = s < K ? KCD : KCDS;
-      const bf16_t* xa = sact + (s < K ? s * I : K * I) + t * 8;
-      for (int c = ((warp - base) % WARPS + WARPS) % WARPS; c < kcd; c += WARPS) {
-        const uint4* pc = pieces + (base + c) * 64 + lane;
-        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xa + c * 32) : make_uint4(0, 0, 0, 0);
-        mma_bf16(o[s], pc[0], b.x, b.y);
-        mma_bf16(o[s], pc[32], b.z, b.w);
+      for (int i = 0; i < (s < K ? CW : CWS); ++i) {
+        const int c = c0 + i * WARPS;
+        b[s][i] = g == 0 && c < kcd ? __ldcg(reinterpret_cast<const uint4*>(xa + c * 32 + t * 8)) : make_uint4(0, 0, 0, 0);
       }
     }
-    if (t == 0) {
+    mbar_wait(bar, parity);
+    parity ^= 1;
 #pragma unroll
-      for (int s = 0; s < DSLOTS; ++s) {
-        red[(warp * DSLOTS + s) * 16 + g] = o[s][0];
-        red[(warp * DSLOTS + s) * 16 + g + 8] = o[s][2];
+    for (int s = 0; s < DSLOTS; ++s) {
+      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
+#pragma unroll
+      for (int i = 0; i < (s < K ? CW : CWS); ++i) {
+        const int c = c0 + i * WARPS;
+        if (c < kcd) {
+          const uint4* pc = pieces + (base + c) * 64 + lane;
+          mma_bf16(o, pc[0], b[s][i].x, b[s][i].y);
+          mma_bf16(o, pc[32], b[s][i].z, b[s][i].w);
+        }
+      }
+      if (t == 0) {
+        red[(warp * DSLOTS + s) * 16 + g] = o[0];
+        red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
       }
     }
     __syncthreads();
@@ -1605,13 +1619,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       float acc = 0.0f;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        const int s = s_pair[j];
         float y = 0.0f;
-        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + j) * 16 + r];
         acc = fmaf(s_w[j], y, acc);
       }
       if (KCDS > 0) {
         float y = 0.0f;
+#pragma unroll
         for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + K) * 16 + r];
         acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, y, acc);
       }
