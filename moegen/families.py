@@ -84,10 +84,11 @@ class Tuning:
     plan's; kernel names carry any other value."""
 
     warps: int = WARPS
-    # 16-row tiles per down block, the down weights' packing (0: the analytic choice, DOWN_TILES, or
-    # 1 where the one-token kernel applies: its bulk copies of a block's down rows are then one
-    # contiguous run per expert, not one 1 KB piece per 32-wide chunk)
-    down_tiles: int = 0
+    # 16-row tiles per down block, the down weights' packing. With 1 the one-token kernel's bulk
+    # copies of a block's down rows are one contiguous run per expert (not one 1 KB piece per
+    # 32-wide chunk): measured 28.5 against 29.2 us at N = 1 (Qwen3-30B-A3B, H200), but the
+    # two-tile down kernels of N >= 2 were 4-20% faster, so the analytic plan keeps 2.
+    down_tiles: int = DOWN_TILES
     # Down blocks that start early (programmatic dependent launch, while gate/up still runs) ask
     # L2 for their weight tile before they wait: the down weights stream during gate/up.
     prefetch: bool = False
@@ -123,9 +124,8 @@ class Tuning:
         fp4 = "fp4" in spec.experts.format.value or "fp4" in getattr(spec.shared_expert, "format", spec.experts.format).value
         if self.warps not in (2, 4, 8):
             raise TuningError(f"tuning warps={self.warps}: 2, 4 or 8")
-        if self.down_tiles not in (0, 1, 2, 4, 8) or h % (16 * max(self.down_tiles, 1)):
-            raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each "
-                              "(0: the analytic choice)")
+        if self.down_tiles not in (1, 2, 4, 8) or h % (16 * self.down_tiles):
+            raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
         if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, 3, 4):
@@ -225,9 +225,6 @@ class Layer:
             act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
             ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local, tune=tune or Tuning(),
         )
-        if layer.tune.down_tiles == 0:  # the analytic packing of the down weights
-            t = 1 if single_layout(layer, target) else DOWN_TILES
-            layer = dataclasses.replace(layer, tune=dataclasses.replace(layer.tune, down_tiles=t))
         return layer
 
 
@@ -532,7 +529,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     memory beside the reduction space."""
     if not c.tune.single or c.spec.batch_invariant or c.kf_e != "bf16" or (c.si and c.kf_s != "bf16"):
         return None
-    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed:
+    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or 16 * (c.k + 1) > 32 * SINGLE_WARPS:
         return None
     kc = c.h // 32
     cpu = kc // SINGLE_WARPS
@@ -542,10 +539,17 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     ur = -(-units // target.sm_count)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
-    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, SINGLE_WARPS * dslots * 16)
+    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
     smem = pieces * 1024 + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
+
+
+def single_ksplit(c: Layer) -> int:
+    """The one-token kernel's router K split: parts of one 32-wide chunk per warp (a unit's loads
+    are one round trip either way), so that the route adds as few partial sums as it can; never
+    more parts than the layer's logits buffer holds."""
+    return max(1, min(c.ksplit, (c.h // 32) // SINGLE_WARPS))
 
 
 def _inflight(cpu: int) -> int:
@@ -557,10 +561,10 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
-            + f"_ks{c.ksplit}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}_{c.spec.arch}")
+            + f"_ks{single_ksplit(c)}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
-                        c.ksplit, c.nmax, c.tune.down_tiles)), _b(c.gated),
+                        single_ksplit(c), c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
@@ -573,7 +577,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("bf16_t* act", "act", "ws.act"), ("bf16_t* act_s", "act_s", "ws.act_s"),
             ("bf16_t* __restrict__ out", "out", "out"))
     kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
-                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {c.ksplit} parts), route in "
+                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {single_ksplit(c)} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
                      + " tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers")
     return kernel, smem

@@ -36,7 +36,7 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
 
 def _label(t: Tuning) -> str:
     """A variant's short name: warps x down tiles, then each other choice that is not the analytic one."""
-    return f"{t.warps}x{t.down_tiles or 'a'}" + "".join(
+    return f"{t.warps}x{t.down_tiles}" + "".join(
         (f" {f.name}" if v is True else f" no {f.name}" if v is False else f" {f.name}={v}")
         for f in fields(Tuning) if f.name not in ("warps", "down_tiles") and (v := getattr(t, f.name)) != f.default)
 

@@ -1402,6 +1402,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
   static_assert(TPB != 1 || DSLOTS <= 32, "one lane per operand's bulk copy");
+  static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
@@ -1614,22 +1615,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
     __syncthreads();
-    if (threadIdx.x < 16) {  // row r: each operand's warp sums in warp order, then the choices in order
+    float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * 16) {
+      const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
+      float y = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      ys[s * 16 + r] = y;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {  // row r: the choices in order, then the shared expert
       const int r = threadIdx.x;
       float acc = 0.0f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        float y = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + j) * 16 + r];
-        acc = fmaf(s_w[j], y, acc);
-      }
-      if (KCDS > 0) {
-        float y = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + K) * 16 + r];
-        acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, y, acc);
-      }
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
       out[r16 * 16 + r] = f32_to_bf16(acc);
     }
     __syncthreads();

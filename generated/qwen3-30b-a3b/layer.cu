@@ -1402,6 +1402,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
   static_assert(TPB != 1 || DSLOTS <= 32, "one lane per operand's bulk copy");
+  static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
@@ -1614,22 +1615,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
     __syncthreads();
-    if (threadIdx.x < 16) {  // row r: each operand's warp sums in warp order, then the choices in order
+    float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * 16) {
+      const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
+      float y = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      ys[s * 16 + r] = y;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {  // row r: the choices in order, then the shared expert
       const int r = threadIdx.x;
       float acc = 0.0f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        float y = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + j) * 16 + r];
-        acc = fmaf(s_w[j], y, acc);
-      }
-      if (KCDS > 0) {
-        float y = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + K) * 16 + r];
-        acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, y, acc);
-      }
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
       out[r16 * 16 + r] = f32_to_bf16(acc);
     }
     __syncthreads();
@@ -2039,13 +2039,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
-// weight packing, 1 consecutive tiles per tile (runs once, at load)
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<1, true>(src0, src1, dst, experts, rows, rows_pad, k);
+// weight packing, 2 consecutive tiles per tile (runs once, at load)
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
-// one token in one launch: router (8 tiles x 16 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers
-extern "C" __global__ void __launch_bounds__(512) moe_single_e128_h2048_i768_k8_ks16_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t1_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 16, 16384, 1, false, 16, 3, 4>(wr, w13, ws13, w2, ws2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out);
+// one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers
+extern "C" __global__ void __launch_bounds__(512) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4>(wr, w13, ws13, w2, ws2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out);
 }
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -2056,8 +2056,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
   gate_up_body<64, 1, 1, 4, 4, 48, 0, 768, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt1_bf16_t1_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 1, 1, 4, 8, 1, 128, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 1, 1, 4, 4, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -2072,16 +2072,16 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
   gate_up_body<64, 2, 2, 4, 4, 48, 0, 768, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_bf16_t1_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 2, 2, 4, 6, 1, 128, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 2, 2, 4, 4, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // gate/up + silu_gated: expert slots x 48 tiles
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 48, 0, 768, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_bf16_t1_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 4, 4, 4, 4, 1, 128, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<24, 0, 4, 4, 4, 3, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
@@ -2112,8 +2112,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_gate_up_e128_h2048
   prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 768, 2048, 48);
 }
 // prefill: Y = H' Wd per expert (fp32), 8 16-row tiles x 128 tokens a block
-extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_e128_h2048_i768_bm128_bn128_s4_m1_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, float* __restrict__ y) {
-  prefill_gemm<false, 1>(hp, nullptr, w2, tiles, y, 2048, 768, 128);
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_e128_h2048_i768_bm128_bn128_s4_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, float* __restrict__ y) {
+  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 768, 128);
 }
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const float* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
