@@ -117,6 +117,10 @@ class Tuning:
     # ... launched cooperatively (the driver refuses a grid that cannot be resident at once); False:
     # a plain launch, relying on one block per multiprocessor being resident (nothing else running)
     single_coop: bool = True
+    # ... without its second grid barrier: each gate/up unit reduced as soon as it is streamed and
+    # counted per expert, each expert's down products started when its count is whole
+    # (compiled and checked without a GPU; not yet run on one, so off in the analytic plan)
+    single_early: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -561,11 +565,12 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
-            + f"_ks{single_ksplit(c)}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}_{c.spec.arch}")
+            + f"_ks{single_ksplit(c)}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
+            + ("_early" if c.tune.single_early else "") + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         single_ksplit(c), c.nmax, c.tune.down_tiles)), _b(c.gated),
-             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))))
+             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(c.tune.single_early))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"), ("const bf16_t* __restrict__ xr", "xr", c.x_router),
@@ -576,7 +581,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"), ("float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
             ("bf16_t* act", "act", "ws.act"), ("bf16_t* act_s", "act_s", "ws.act_s"),
             ("bf16_t* __restrict__ out", "out", "out"))
-    kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
+    extra: Extra = (("int* ready", "ready", "ws.sready"),) if c.tune.single_early else ()
+    kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, extra, "single_body",
                      f"one token in one launch: router ({c.rows_pad // 16} tiles x {single_ksplit(c)} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
                      + " tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers")

@@ -15,6 +15,7 @@
 #   bash tests/run_gpu_tier.sh prefill    the prefill kernels (wgmma grouped GEMMs) against NumPy, the shared-expert
 #                                          prefill tuning against the reference, and the prefill buckets' speed
 #   bash tests/run_gpu_tier.sh tune       moegen tune of Qwen3-30B-A3B (warps, down tiles, prefetch, router split)
+#   bash tests/run_gpu_tier.sh single     the one-token kernel's tunings against the reference, then timed at N = 1
 # Each of the other modes is meant to fit one 10-minute device call (the tier in thirds: tier1of3 ..).
 set -uo pipefail
 out="${OUT:-gpu-logs}"
@@ -97,6 +98,13 @@ if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, the shared-
   run "bench-prefill-qwen3-30b-a3b" bench specs/qwen3-30b-a3b.yaml --tokens 512,2048,8192,16384 --stages --compare
   run "bench-prefill-mixtral-8x7b" bench specs/mixtral-8x7b.yaml --tokens 128,512,2048,8192 --stages --compare
   for f in "$out"/bench-prefill-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
+fi
+if [ "$mode" = single ]; then  # single_early / down_tiles 1 / plain launch: correct, then which is fastest
+  run gpu-single pytest_gpu tests/test_gpu_features.py -k one_token_kernel_tunings
+  for s in qwen3-30b-a3b qwen3-next-80b-a3b; do
+    run "tune-single-$s" python3 -W ignore -m moegen tune "specs/$s.yaml" --only single,single_coop,single_early,down_tiles --tokens 1
+    cat "$out/tune-single-$s.log"
+  done
 fi
 if [ "$mode" = tune ]; then
   for s in qwen3-30b-a3b; do  # 18 variants: one spec fits a 10-minute call

@@ -80,6 +80,30 @@ def test_fused_tuning_matches_reference(name, tmp_path):
         layer.close()
 
 
+@pytest.mark.parametrize("tuning", [Tuning(single_early=True), Tuning(down_tiles=1), Tuning(single_coop=False)],
+                         ids=["early", "t1", "plain"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
+def test_one_token_kernel_tunings_match_reference(name, tuning, tmp_path):
+    """The one-token kernel's tunings (without its second barrier; one down tile per group, so
+    one bulk copy per expert; a plain launch) at N = 1 against the reference, three calls on
+    fresh inputs, and two runs on one input giving the same bits."""
+    import torch
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec, tuning=tuning)
+    assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(name, spec, plan, layer, host, torch, counts=(1, 1, 1))
+        x = torch.randn(1, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+    finally:
+        layer.close()
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen1.5-moe-a2.7b"])
 def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
     """Prefill with a shared expert (one more GEMM pair over all tokens, its

@@ -232,6 +232,25 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
                if key not in ("w.corr_bias", "w.router_bias"))
 
 
+def test_one_token_kernel_without_its_second_barrier_compiles_and_launches(fake_cuda):
+    """The tuning single_early (gate/up units counted per expert in ws.sready instead of a second
+    grid barrier; not yet run on a GPU) compiles without spills for both catalog layers that take
+    the one-token kernel, and gets its counters."""
+    from moegen.build import render_all
+    from moegen.nvrtc import compile_cuda
+
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+        plan = make_plan(spec, tuning=Tuning(single_early=True))
+        (ln,) = plan.buckets[0].launches
+        k = plan.kernel(ln.kernel)
+        assert k.name.endswith("_early_sm_90a") and k.arg_keys[-1] == "ws.sready"
+        res = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch).resources[k.name]
+        assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
+    _check_pointers(fake_cuda, dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"],
+                                                                     tuning=Tuning(single_early=True)))
+
+
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that

@@ -1383,15 +1383,20 @@ MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
 // row group (w2's layout); RUNITS router units (tiles x KSPLIT parts); UR gate/up units a block
 // takes per round (reduction space); WARPS warps; P chunks in flight per warp.
+// EARLY (a tuning, not yet measured): no second grid barrier. Warp 0 reduces each gate/up unit
+// as soon as every warp has streamed its chunks of it (named barriers: the others arrive and go
+// on streaming), writes the activations and counts the unit in ready[slot]; each slot's down
+// pieces complete their own mbarrier; a block's down work for a slot starts when its count is
+// whole, so the down products of the first experts overlap the last gate/up units.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool EARLY = false>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr_in,
                             const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
                             const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
                             int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
-                            bf16_t* __restrict__ out) {
+                            bf16_t* __restrict__ out, int* ready = nullptr) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
   constexpr int PIECES = K * KCD + KCDS;          // 1 KB pieces: 16 rows x 32 K of one chunk
@@ -1403,16 +1408,18 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
   static_assert(TPB != 1 || DSLOTS <= 32, "one lane per operand's bulk copy");
   static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
+  static_assert(!EARLY || UR <= 15, "a named barrier per gate/up unit of a round");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
-  __shared__ __align__(8) unsigned long long bar_mem;
+  __shared__ __align__(8) unsigned long long bar_mem[EARLY ? DSLOTS : 1];
   __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const u32 bar = (u32)__cvta_generic_to_shared(&bar_mem);
+  const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);
+  auto slot_bar = [&](int s) -> u32 { return EARLY ? bar + 8 * s : bar; };  // the mbarrier of operand s's pieces
   if (threadIdx.x == 0) {
-    mbar_init(bar, 1);
+    for (int s = 0; s < (EARLY ? DSLOTS : 1); ++s) mbar_init(bar + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
@@ -1431,6 +1438,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   };
   if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);
   grid_dep_wait();  // x (and the last call's readers of this workspace) are done
+  if (EARLY && blockIdx.x == 0 && threadIdx.x < DSLOTS) ready[threadIdx.x] = 0;  // seen after barrier 1
   for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
     const int tile = u / KSPLIT, part = u % KSPLIT;
     if (u != (int)blockIdx.x) router_weights(u);
@@ -1473,15 +1481,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // with one tile per packed row group (TPB 1) an expert's rows are one contiguous run
   auto request = [&](int r16) {
     if (warp == 0) {
-      if (lane == 0) mbar_expect(bar, PIECES * 1024);
+      if (lane == 0) {
+        if (EARLY) {
+          for (int s = 0; s < DSLOTS; ++s) mbar_expect(slot_bar(s), (s < K ? KCD : KCDS) * 1024);
+        } else {
+          mbar_expect(bar, PIECES * 1024);
+        }
+      }
       __syncwarp();
       if (TPB == 1) {
         if (lane < K) {
           bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * 64),
-                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, bar);
+                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, slot_bar(lane));
         } else if (KCDS > 0 && lane == K) {
           bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * 64), ws2 + (size_t)r16 * KCDS * 64, KCDS * 1024,
-                    bar);
+                    slot_bar(K));
         }
       } else {
         const int group = r16 / TPB, mt = r16 % TPB;
@@ -1494,7 +1508,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             const int c = p - K * KCD;
             src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
           }
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar);
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, slot_bar(p < K * KCD ? p / KCD : K));
         }
       }
     }
@@ -1551,11 +1565,33 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+          if (EARLY) {  // unit k is done here: warp 0 reduces it once every warp has streamed its part
+            const int k = q / CPU;
+            if (warp != 0) {
+              asm volatile("bar.arrive %0, %1;" ::"r"(1 + k), "n"(THREADS) : "memory");
+            } else {
+              asm volatile("bar.sync %0, %1;" ::"r"(1 + k), "n"(THREADS) : "memory");
+              const int u = u0 + k * gridDim.x;
+              float v = 0.0f;  // lanes 0-15: gate row `lane`, 16-31: up row `lane - 16`; warps in order
+              for (int w = 0; w < WARPS; ++w) v += red[(k * WARPS + w) * 32 + lane];
+              const float uv = __shfl_down_sync(0xffffffffu, v, 16);
+              if (lane < 16) {
+                if (u < K * TI) {
+                  act[(u / TI) * I + (u % TI) * 16 + lane] = f32_to_bf16(activate<true>(v, uv));
+                } else {
+                  act_s[(u - K * TI) * 16 + lane] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(v, uv));
+                }
+                __threadfence();  // the activations, before the count
+              }
+              __syncwarp();
+              if (lane == 0) atomicAdd(ready + (u < K * TI ? u / TI : K), 1);
+            }
+          }
         }
       }
     }
     __syncthreads();
-    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+    if (!EARLY && threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
       const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
       float gv = 0.0f, uv = 0.0f;
       for (int w = 0; w < WARPS; ++w) {
@@ -1570,7 +1606,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  grid_barrier(gbar);
+  if (!EARLY) grid_barrier(gbar);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
   // ... of each operand's run (p = s * KCD + c), its activations straight from L2 (other blocks
@@ -1588,16 +1624,27 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     for (int s = 0; s < DSLOTS; ++s) {
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
       const bf16_t* xa = s < K ? act + s * I : act_s;
+      if (EARLY) {  // operand s's activations are whole: every unit of it counted
+        if (lane == 0) {
+          const int* cnt = ready + s;
+          const int want = s < K ? TI : TIS;
+          int now;
+          do {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(cnt) : "memory");
+          } while (now < want);
+        }
+        __syncwarp();
+      }
 #pragma unroll
       for (int i = 0; i < (s < K ? CW : CWS); ++i) {
         const int c = c0 + i * WARPS;
         b[s][i] = g == 0 && c < kcd ? __ldcg(reinterpret_cast<const uint4*>(xa + c * 32 + t * 8)) : make_uint4(0, 0, 0, 0);
       }
     }
-    mbar_wait(bar, parity);
-    parity ^= 1;
+    if (!EARLY) mbar_wait(bar, parity);
 #pragma unroll
     for (int s = 0; s < DSLOTS; ++s) {
+      if (EARLY) mbar_wait(slot_bar(s), parity);
       float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
@@ -1614,6 +1661,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
       }
     }
+    parity ^= 1;
     __syncthreads();
     float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
     if (threadIdx.x < DSLOTS * 16) {
