@@ -16,6 +16,11 @@ The analytic model (decode is memory-bound):
   (families.fused_max: each pair of gate/up tiles computes down's partial sums over its K chunk,
   a combine kernel adds them in order; the partials must stay within an eighth of L2). Measured,
   that saved no dependent launch (the combine is one), so the analytic plan does not fuse.
+- one token (the N = 1 bucket) pays the dependent-launch chain (router -> gate/up -> down) about as
+  much as its bytes: where a block's share of the down weights (16 rows of every chosen expert)
+  fits in shared memory beside the reduction space (families.single_layout), the bucket is one
+  cooperative launch of one block per multiprocessor, the down weights streaming into shared
+  memory while gate/up runs, with two grid barriers (templates/single.cu.j2);
 - past the point where the routed experts get more tokens each than one GEMV pass takes (8*MAX_NT
   on average), the GEMV tiles would be read again per pass: those buckets run the routed experts
   as grouped GEMMs on the tensor cores instead (moegen.prefill_plan), on the same packed weights.
