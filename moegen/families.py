@@ -111,7 +111,7 @@ class Tuning:
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
     # pair over all tokens (checked against the reference on the H200; False keeps them on the GEMV path).
     prefill_shared: bool = True
-    # The one-token bucket as a single launch (single_fits: where its down weights fit in shared
+    # The one-token bucket as a single launch (single_layout: where its down weights fit in shared
     # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.
     single: bool = True
     # ... launched cooperatively (the driver refuses a grid that cannot be resident at once); False:
@@ -218,7 +218,7 @@ class Layer:
             sh = None
         gated = bool(sh and sh.gate == "sigmoid")
         rows_pad = math.ceil((e + z + int(gated)) / 16) * 16
-        layer = cls(
+        return cls(
             spec=spec, h=h, e=e, z=z, k=k, i=i, si=sh.intermediate_size if sh else 0, gated=gated,
             nmax=spec.max_tokens, rows_pad=rows_pad,
             ksplit=(tune.router_split if tune and tune.router_split else ksplit(rows_pad // 16, h // 32, target)),
@@ -229,7 +229,6 @@ class Layer:
             act_tag=_act_tag(spec), route_tag=_route_tag(spec, e, z, k, gated) + (f"_ep{ep}r{rank}" if ep > 1 else ""),
             ep_size=ep, ep_rank=rank, ep_lo=lo, e_local=n_local, tune=tune or Tuning(),
         )
-        return layer
 
 
 def _kernel_format(fmt: str, spec: Spec) -> str:
@@ -564,12 +563,13 @@ def _inflight(cpu: int) -> int:
 def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
+    ks = single_ksplit(c)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
-            + f"_ks{single_ksplit(c)}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
+            + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("_early" if c.tune.single_early else "") + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
-                        single_ksplit(c), c.nmax, c.tune.down_tiles)), _b(c.gated),
+                        ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(c.tune.single_early))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
@@ -583,7 +583,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("bf16_t* __restrict__ out", "out", "out"))
     extra: Extra = (("int* ready", "ready", "ws.sready"),) if c.tune.single_early else ()
     kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, extra, "single_body",
-                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {single_ksplit(c)} parts), route in "
+                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
                      + " tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers")
     return kernel, smem

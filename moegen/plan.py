@@ -347,9 +347,9 @@ def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, 
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * c.tune.down_tiles),)),  # counters: zero between calls, the last block resets
         Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
-        Buffer("route_cnt", "int32", (c.e,)),
+        Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("gbar", "int32", (1,)),  # the one-token kernel's grid barrier (a word whose top bit flips)
-        Buffer("sready", "int32", (c.k + 1,)),  # its gate/up units counted per operand (tuning single_early)  # tokens per expert, summed over the route's blocks (zero between calls)
+        Buffer("sready", "int32", (c.k + 1,)),  # its gate/up units counted per operand (tuning single_early)
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row

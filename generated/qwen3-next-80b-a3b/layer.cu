@@ -1352,7 +1352,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
 // The barrier is one word (ws.gbar) whose top bit flips at each barrier: nothing to reset.
 // BF16 weights (routed and shared), no expert parallelism, biases or identity experts: the plan
-// (moegen.families.single_fits) gives this kernel only such layers, and the shapes it fits.
+// (moegen.families.single_layout) gives this kernel only such layers, and the shapes it fits.
 
 // Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
 // 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
@@ -1381,7 +1381,7 @@ MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
 }
 
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
-// row group (w2's layout); RUNITS router units (tiles x KSPLIT parts); UR gate/up units a block
+// row group (w2's layout); KSPLIT router K parts; UR gate/up units a block
 // takes per round (reduction space); WARPS warps; P chunks in flight per warp.
 // EARLY (a tuning, not yet measured): no second grid barrier. Warp 0 reduces each gate/up unit
 // as soon as every warp has streamed its chunks of it (named barriers: the others arrive and go
