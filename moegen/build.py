@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
+
 from . import __version__
 from .families import Tuning
 from .nvrtc import Compiled, compile_cuda, nvrtc_version, options_of
@@ -73,10 +75,7 @@ def manifest_text(spec: Spec, plan: Plan, compiled: Compiled) -> str:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = {"float32": 4, "int32": 4, "uint16": 2}[dtype]
-    for s in shape:
-        n *= s
-    return n
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def tuning_path(out_root: str | Path, name: str) -> Path:

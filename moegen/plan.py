@@ -349,7 +349,11 @@ def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, 
         Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
         Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("gbar", "int32", (1,)),  # the one-token kernel's grid barrier (a word whose top bit flips)
-        Buffer("sready", "int32", (c.k + 1,)),  # its gate/up units counted per operand (tuning single_early)
+        # its tagged words (tuning single_tags): partial logits (value, epoch), activations (bf16,
+        # epoch), and the epoch with the count of blocks that have read it
+        Buffer("stl", "uint64", (c.ksplit, c.rows_pad)),
+        Buffer("stact", "uint32", (k * i + si,)),
+        Buffer("sepoch", "uint32", (2,)),
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row

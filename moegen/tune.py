@@ -31,7 +31,7 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
             + tuple(Tuning(prefill_from=p) for p in (64, 128, 256, 512, 1024, 2048, 1 << 20))
             + (Tuning(prefill_ws=True), Tuning(prefill_bm=64), Tuning(prefill_bm=64, prefill_stages=3),
                Tuning(prefill_stages=3), Tuning(prefill_shared=False), Tuning(single=False),
-               Tuning(single_coop=False), Tuning(single_early=True)))
+               Tuning(single_coop=False), Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1)))
 
 
 def _label(t: Tuning) -> str:

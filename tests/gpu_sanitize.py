@@ -1,6 +1,8 @@
 """Runs generated layers once per token count, for compute-sanitizer (not collected by pytest).
 
     compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py qwen3-30b-a3b:1,64 mixtral-8x7b:1,64
+
+A tuning may follow the counts: qwen3-30b-a3b:1@single_tags=1,down_tiles=1 (integer values).
 """
 
 import sys
@@ -12,6 +14,7 @@ import torch
 
 from moegen.bench import _random_weights  # every weight format, made on the device
 from moegen.build import render_all, write_dir
+from moegen.families import Tuning
 from moegen.plan import make_plan
 from moegen.runtime import load
 from moegen.spec import load_spec
@@ -19,9 +22,10 @@ from moegen.spec import load_spec
 ROOT = Path(__file__).resolve().parent.parent
 
 for arg in sys.argv[1:]:
-    name, counts = arg.split(":")
+    name, rest = arg.split(":")
+    counts, _, tuned = rest.partition("@")
     spec = load_spec(ROOT / "specs" / f"{name}.yaml")
-    plan = make_plan(spec)
+    plan = make_plan(spec, tuning=Tuning(**{k: int(v) for k, v in (kv.split("=") for kv in tuned.split(",") if kv)}))
     out = Path(tempfile.mkdtemp()) / spec.name
     write_dir(out, render_all(spec, plan))
     w = _random_weights(plan, np.random.default_rng())

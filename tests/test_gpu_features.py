@@ -80,13 +80,15 @@ def test_fused_tuning_matches_reference(name, tmp_path):
         layer.close()
 
 
-@pytest.mark.parametrize("tuning", [Tuning(single_early=True), Tuning(down_tiles=1), Tuning(single_coop=False)],
-                         ids=["early", "t1", "plain"])
+@pytest.mark.parametrize("tuning", [Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1), Tuning(down_tiles=1),
+                                    Tuning(single_coop=False)],
+                         ids=["barriers", "barriers-t1", "t1", "plain"])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
 def test_one_token_kernel_tunings_match_reference(name, tuning, tmp_path):
-    """The one-token kernel's tunings (without its second barrier; one down tile per group, so
-    one bulk copy per expert; a plain launch) at N = 1 against the reference, three calls on
-    fresh inputs, and two runs on one input giving the same bits."""
+    """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
+    group, so one bulk copy per expert; a plain launch) at N = 1 against the reference, three
+    calls on fresh inputs (the tagged words' epoch advancing), and two runs on one input giving
+    the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")

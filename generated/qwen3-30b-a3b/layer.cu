@@ -1335,38 +1335,51 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // At N = 1 a fine-grained layer reads tens of MB in a few microseconds, and the dependent-launch
 // chain (router -> gate/up -> down) costs about as much as the bytes: each kernel's start, its
 // first memory round trip and its drain are exposed. This kernel runs the whole layer in one
-// grid of one block per multiprocessor, all resident, with two grid-wide barriers:
+// grid of one block per multiprocessor, all resident (a cooperative launch):
 //
-//   1. router logits: (16-row tile, K part) units over the blocks, partial sums in `logits`;
-//   -- barrier --
-//   2. every block routes the token itself (route_body into its shared memory: no barrier), then
-//      asks the copy engine (cp.async.bulk) for its whole share of the down weights (its 16
-//      output rows of every chosen expert, and of the shared expert), which stream into shared
-//      memory while it computes gate/up: the memory is never idle between gate/up and down;
+//   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global;
+//   -- every block waits for all of them --
+//   2. every block routes the token itself (into its shared memory), then asks the copy engine
+//      (cp.async.bulk) for its whole share of the down weights (its 16 output rows of every
+//      chosen expert, and of the shared expert), which stream into shared memory while it
+//      computes gate/up: the memory is never idle between gate/up and down;
 //   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
-//      chunks of weights in flight in registers; act to global;
-//   -- barrier --
+//      chunks of weights in flight in registers; activations to global;
+//   -- every block waits for all of them --
 //   4. down: the block's rows of every expert from shared memory, the activations from L2,
 //      the partial sums added in warp order, then the choices in choice order: out, in bf16.
 //
+// The two waits are grid barriers (one word, ws.gbar, whose top bit flips at each barrier), or
+// with TAGS none: each partial logit and each activation is written with the call's epoch in
+// the same word (a 64-bit logit: value, epoch; a 32-bit activation: bf16, low 16 bits of the
+// epoch), and the readers load them until every epoch is this call's. A barrier costs the last
+// arrival's round trip to L2, the pollers' round trip and then the data's; a tagged read only
+// the data's. The epoch (ws.epoch[0]) is read by every block at its start (each counts itself in
+// ws.epoch[1]); block 0 advances it at its end, once every block has read it. The call before
+// has finished when a block starts reading (griddepcontrol.wait), so its words carry an older
+// epoch, and the workspace starts zeroed (epoch 0, never a call's).
+//
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
-// The barrier is one word (ws.gbar) whose top bit flips at each barrier: nothing to reset.
 // BF16 weights (routed and shared), no expert parallelism, biases or identity experts: the plan
 // (moegen.families.single_layout) gives this kernel only such layers, and the shapes it fits.
 
 // Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
 // 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
-// is; each block waits for the flip of the value it added to. The word is never reset.
-MOE_DEVICE void grid_barrier(unsigned* bar) {
+// is. The word is never reset. Each block reads the top bit once, before its first arrival (the
+// bit cannot flip before every block has arrived), so that its arrivals need no reply: a
+// release reduction, then polls until the bit differs from the one it had before (`phase`,
+// which each barrier flips).
+MOE_DEVICE void grid_barrier(unsigned* bar, unsigned& phase) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
     __threadfence();  // this block's writes, before its arrival
-    const unsigned old = atomicAdd(bar, add);
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(bar), "r"(add) : "memory");
     unsigned now;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-    } while (((old ^ now) & 0x80000000u) == 0);
+    } while ((now & 0x80000000u) == phase);
+    phase ^= 0x80000000u;
   }
   __syncthreads();
 }
@@ -1379,24 +1392,163 @@ MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
 MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Tagged words (TAGS): relaxed gpu-scope accesses, each single-copy atomic (value and epoch together).
+MOE_DEVICE void st_tagged(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MOE_DEVICE unsigned long long ld_tagged(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MOE_DEVICE void st_tagged(u32* p, u32 v) { asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+MOE_DEVICE uint4 ld_tagged4(const u32* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// The route of the one token, by warp 0, for the rules without expert groups, hash tables,
+// identity experts or SparseMixer (the others take route_body): the same choices as route_body
+// (the k largest selection values, equal values: the lower expert). Lane l holds experts
+// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts) and keeps its best remaining
+// value between the k rounds (a pairwise tree over its values); each round takes the warp's
+// largest key and the lowest lane holding it (one reduction and one ballot), and only that lane
+// looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
+// L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
+// ids, w, gate (shared memory).
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R>
+MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
+                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate) {
+  constexpr int EPL = (E + 31) / 32;
+  __shared__ float s_pick[K];
+  const int lane = threadIdx.x & 31;
+  float v[EPL], sel[EPL];
+  float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) v[i] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < KSPLIT; ++p) {
+    const float* row = logits + (size_t)p * PSTRIDE + lane * EPL;
+    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts are contiguous
+#pragma unroll
+      for (int i = 0; i < EPL; i += 4) {
+        const float4 q = SMEM ? *reinterpret_cast<const float4*>(row + i) : __ldcg(reinterpret_cast<const float4*>(row + i));
+        v[i] += q.x;
+        v[i + 1] += q.y;
+        v[i + 2] += q.z;
+        v[i + 3] += q.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane * EPL + i < E) v[i] += SMEM ? row[i] : __ldcg(row + i);
+    }
+    if (SHARED_GATE && lane == 0) gl += SMEM ? logits[p * PSTRIDE + E] : __ldcg(logits + (size_t)p * PSTRIDE + E);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    float s = v[i];
+    if (R::ROUTER_BIAS && e < E) s += router_bias[e];
+    if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+    v[i] = e < E ? s : MOE_NEG_INF;
+  }
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+    float mx = MOE_NEG_INF;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      v[i] = lane * EPL + i < E ? expf(v[i] - mx) : 0.0f;
+      sum += v[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
+  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
+  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+  }
+  float lv, ls;  // this lane's best remaining selection value, its score, its slot i
+  int li;
+  auto best = [&]() {  // pairwise tree; equal values: the left (lower) slot
+    float bv[EPL], bs[EPL];
+    int bi[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      bv[i] = sel[i];
+      bs[i] = v[i];
+      bi[i] = i;
+    }
+#pragma unroll
+    for (int w = 1; w < EPL; w *= 2)
+#pragma unroll
+      for (int i = 0; i + w < EPL; i += 2 * w)
+        if (bv[i + w] > bv[i]) {
+          bv[i] = bv[i + w];
+          bs[i] = bs[i + w];
+          bi[i] = bi[i + w];
+        }
+    lv = bv[0];
+    ls = bs[0];
+    li = bi[0];
+  };
+  best();
+  for (int j = 0; j < K; ++j) {
+    const u32 key = order_key(lv);
+    const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+    const int owner = __ffs(__ballot_sync(0xffffffffu, key == kmax)) - 1;
+    if (lane == owner) {
+      ids[j] = lane * EPL + li;
+      s_pick[j] = ls;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i == li) sel[i] = MOE_NEG_INF;
+      best();
+    }
+  }
+  __syncwarp();
+  const float my_v = lane < K ? s_pick[lane] : 0.0f;
+  float w = my_v;
+  if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / warp_sum(w);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    w = 1.0f / (1.0f + expf(-my_v));
+  }
+  if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+  w *= R::SCALE;
+  if (lane < K) w_out[lane] = w;
+  if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
+}
 
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
-// row group (w2's layout); KSPLIT router K parts; UR gate/up units a block
-// takes per round (reduction space); WARPS warps; P chunks in flight per warp.
-// EARLY (a tuning, not yet measured): no second grid barrier. Warp 0 reduces each gate/up unit
-// as soon as every warp has streamed its chunks of it (named barriers: the others arrive and go
-// on streaming), writes the activations and counts the unit in ready[slot]; each slot's down
-// pieces complete their own mbarrier; a block's down work for a slot starts when its count is
-// whole, so the down products of the first experts overlap the last gate/up units.
+// row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
+// (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
+// grid barriers (see the top; with route_one's rules). Without TAGS: logits, act, act_s, gbar;
+// with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool EARLY = false>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr_in,
                             const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
                             const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
                             int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
-                            bf16_t* __restrict__ out, int* ready = nullptr) {
+                            bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
   constexpr int PIECES = K * KCD + KCDS;          // 1 KB pieces: 16 rows x 32 K of one chunk
@@ -1404,24 +1556,60 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
   constexpr int RTILES = ROWS_PAD / 16;
   constexpr int AUD = 2 * TPB;  // 16-byte fragments per lane and chunk of a packed down row group
+  constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
-  static_assert(TPB != 1 || DSLOTS <= 32, "one lane per operand's bulk copy");
+  static_assert(DSLOTS <= 32, "one lane per operand's mbarrier (and bulk copy, TPB 1)");
   static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
-  static_assert(!EARLY || UR <= 15, "a named barrier per gate/up unit of a round");
+  static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
-  __shared__ __align__(8) unsigned long long bar_mem[EARLY ? DSLOTS : 1];
+  __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
+  // TAGS: the partial logits (route), then the activations (down), staged here
+  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = 2 * NACT > 4 * NLOG ? 2 * NACT : 4 * NLOG;
+  __shared__ __align__(16) unsigned char s_stage[TAGS ? STAGE : 16];
+  bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
+  float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
+  __shared__ u32 s_ep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);
-  auto slot_bar = [&](int s) -> u32 { return EARLY ? bar + 8 * s : bar; };  // the mbarrier of operand s's pieces
+  const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
   if (threadIdx.x == 0) {
-    for (int s = 0; s < (EARLY ? DSLOTS : 1); ++s) mbar_init(bar + 8 * s, 1);
+    for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // this block's 16 output rows r16 of down: request every piece (slot order, then chunks); with
+  // one tile per packed row group (TPB 1) an operand's rows are one contiguous run
+  auto request = [&](int r16) {
+    if (warp == 0) {
+      if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * 1024);
+      __syncwarp();
+      if (TPB == 1) {
+        if (lane < K) {
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * 64),
+                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, bar + 8 * lane);
+        } else if (KCDS > 0 && lane == K) {
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * 64), ws2 + (size_t)r16 * KCDS * 64, KCDS * 1024,
+                    bar + 8 * K);
+        }
+      } else {
+        const int group = r16 / TPB, mt = r16 % TPB;
+        for (int p = lane; p < PIECES; p += 32) {
+          const uint4* src;
+          if (p < K * KCD) {
+            const int j = p / KCD, c = p % KCD;
+            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
+          } else {
+            const int c = p - K * KCD;
+            src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
+          }
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar + 8 * (p < K * KCD ? p / KCD : K));
+        }
+      }
+    }
+  };
   // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
   // The first unit's weights are read before the wait: they do not depend on the kernel before.
   uint4 ra[RC][2];
@@ -1438,7 +1626,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   };
   if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);
   grid_dep_wait();  // x (and the last call's readers of this workspace) are done
-  if (EARLY && blockIdx.x == 0 && threadIdx.x < DSLOTS) ready[threadIdx.x] = 0;  // seen after barrier 1
+  // thread 0 asks for the barrier word (its top bit: the phase) or the last call's epoch now, and
+  // waits for it only where it is used (the router's products wait for x meanwhile)
+  unsigned phase = 0;
+  if (threadIdx.x == 0)
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(phase) : "l"(TAGS ? epoch : gbar) : "memory");
   for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
     const int tile = u / KSPLIT, part = u % KSPLIT;
     if (u != (int)blockIdx.x) router_weights(u);
@@ -1457,62 +1649,75 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       red[warp * 16 + g] = acc[0];
       red[warp * 16 + g + 8] = acc[2];
     }
+    if (TAGS && threadIdx.x == 0) s_ep = phase + 1;  // this call's epoch
     __syncthreads();
     if (threadIdx.x < 16) {
       float s = 0.0f;
       for (int w = 0; w < WARPS; ++w) s += red[w * 16 + threadIdx.x];
-      logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
+      if (TAGS) {
+        st_tagged(tl + part * ROWS_PAD + tile * 16 + threadIdx.x, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
+      } else {
+        logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
+      }
     }
     __syncthreads();
   }
-  grid_barrier(gbar);
-  grid_dep_launch();  // every block is resident: the next kernel may be scheduled
+  if (TAGS) {
+    if (threadIdx.x == 0) s_ep = phase + 1;
+    __syncthreads();
+    // this block has read the epoch (the value was used above): count it, for block 0's advance
+    if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(epoch + 1) : "memory");
+  } else {
+    phase &= 0x80000000u;
+    grid_barrier(gbar, phase);
+  }
+  const u32 ep = TAGS ? s_ep : 0u;
 
   // 2. the route, in every block (the same inputs, the same code: the same choices). Slot j of
   // the expert work is choice j (one token: no grouping).
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false, false>(
-      logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
+  if constexpr (TAGS) {  // every partial logit into shared memory, loaded until each is this call's
+    constexpr int PER = (NLOG + THREADS - 1) / THREADS;
+    for (;;) {
+      bool stale = false;
+      unsigned long long q[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if ((int)threadIdx.x + i * THREADS < NLOG) q[i] = ld_tagged(tl + threadIdx.x + i * THREADS);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int f = (int)threadIdx.x + i * THREADS;
+        if (f < NLOG) {  // every row of every tile is written each call (padding rows too)
+          stale |= (u32)(q[i] >> 32) != ep;
+          s_log[f] = __uint_as_float((u32)q[i]);
+        }
+      }
+      if (!__syncthreads_or(stale)) break;
+      __nanosleep(64);
+    }
+  }
+  if constexpr (!RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
+                RouteRule::ZERO == 0 && !RouteRule::EP) {
+    if (warp == 0) {
+      if constexpr (TAGS) {
+        route_one<E, K, KSPLIT, ROWS_PAD, true, SHARED_GATE, RouteRule>(s_log, corr_bias, router_bias, s_ids, s_w,
+                                                                        s_gate);
+      } else {
+        route_one<E, K, KSPLIT, (size_t)NMAX * ROWS_PAD, false, SHARED_GATE, RouteRule>(logits, corr_bias, router_bias,
+                                                                                        s_ids, s_w, s_gate);
+      }
+    }
+  } else {
+    static_assert(!TAGS, "tagged logits: route_one's rules");
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false, false>(
+        logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
+  }
   __syncthreads();
+  grid_dep_launch();  // every block is resident: the next kernel may be scheduled
   if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
-  // this block's first 16 output rows of down: request every piece now (slot order, then chunks);
-  // with one tile per packed row group (TPB 1) an expert's rows are one contiguous run
-  auto request = [&](int r16) {
-    if (warp == 0) {
-      if (lane == 0) {
-        if (EARLY) {
-          for (int s = 0; s < DSLOTS; ++s) mbar_expect(slot_bar(s), (s < K ? KCD : KCDS) * 1024);
-        } else {
-          mbar_expect(bar, PIECES * 1024);
-        }
-      }
-      __syncwarp();
-      if (TPB == 1) {
-        if (lane < K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * 64),
-                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, slot_bar(lane));
-        } else if (KCDS > 0 && lane == K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * 64), ws2 + (size_t)r16 * KCDS * 64, KCDS * 1024,
-                    slot_bar(K));
-        }
-      } else {
-        const int group = r16 / TPB, mt = r16 % TPB;
-        for (int p = lane; p < PIECES; p += 32) {
-          const uint4* src;
-          if (p < K * KCD) {
-            const int j = p / KCD, c = p % KCD;
-            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
-          } else {
-            const int c = p - K * KCD;
-            src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
-          }
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, slot_bar(p < K * KCD ? p / KCD : K));
-        }
-      }
-    }
-  };
+  // this block's first 16 output rows of down: every piece asked for now
   if ((int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles
@@ -1565,52 +1770,59 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
-          if (EARLY) {  // unit k is done here: warp 0 reduces it once every warp has streamed its part
-            const int k = q / CPU;
-            if (warp != 0) {
-              asm volatile("bar.arrive %0, %1;" ::"r"(1 + k), "n"(THREADS) : "memory");
-            } else {
-              asm volatile("bar.sync %0, %1;" ::"r"(1 + k), "n"(THREADS) : "memory");
-              const int u = u0 + k * gridDim.x;
-              float v = 0.0f;  // lanes 0-15: gate row `lane`, 16-31: up row `lane - 16`; warps in order
-              for (int w = 0; w < WARPS; ++w) v += red[(k * WARPS + w) * 32 + lane];
-              const float uv = __shfl_down_sync(0xffffffffu, v, 16);
-              if (lane < 16) {
-                if (u < K * TI) {
-                  act[(u / TI) * I + (u % TI) * 16 + lane] = f32_to_bf16(activate<true>(v, uv));
-                } else {
-                  act_s[(u - K * TI) * 16 + lane] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(v, uv));
-                }
-                __threadfence();  // the activations, before the count
-              }
-              __syncwarp();
-              if (lane == 0) atomicAdd(ready + (u < K * TI ? u / TI : K), 1);
-            }
-          }
         }
       }
     }
     __syncthreads();
-    if (!EARLY && threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
       const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
       float gv = 0.0f, uv = 0.0f;
       for (int w = 0; w < WARPS; ++w) {
         gv += red[(k * WARPS + w) * 32 + r];
         uv += red[(k * WARPS + w) * 32 + 16 + r];
       }
-      if (u < K * TI) {
-        act[(u / TI) * I + (u % TI) * 16 + r] = f32_to_bf16(activate<true>(gv, uv));
+      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
+      if (TAGS) {
+        st_tagged(tact + idx, (ep << 16) | (u32)a);
+      } else if (u < K * TI) {
+        act[idx] = a;
       } else {
-        act_s[(u - K * TI) * 16 + r] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+        act_s[idx - K * I] = a;
       }
     }
     __syncthreads();
   }
-  if (!EARLY) grid_barrier(gbar);
+  if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
-  // ... of each operand's run (p = s * KCD + c), its activations straight from L2 (other blocks
-  // wrote them), all of them asked for before the first product.
+  // ... of each operand's run (p = s * KCD + c). The activations: straight from L2 (other blocks
+  // wrote them, before the barrier), or (TAGS) staged in shared memory by the whole block, loaded
+  // until every one carries this call's epoch.
+  if (TAGS && (int)blockIdx.x < H / 16) {
+    constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
+    const u32 want = ep & 0xffffu;
+    for (;;) {
+      bool stale = false;
+      uint4 q[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int v = (int)threadIdx.x + i * THREADS;
+        if (v < NACT / 4) q[i] = ld_tagged4(tact + 4 * v);
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int v = (int)threadIdx.x + i * THREADS;
+        if (v < NACT / 4) {
+          stale |= (q[i].x >> 16) != want || (q[i].y >> 16) != want || (q[i].z >> 16) != want || (q[i].w >> 16) != want;
+          *reinterpret_cast<uint2*>(s_act + 4 * v) =
+              make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
+        }
+      }
+      if (!__syncthreads_or(stale)) break;
+      __nanosleep(64);
+    }
+  }
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   u32 parity = 0;
   for (int r16 = blockIdx.x; r16 < H / 16; r16 += gridDim.x) {
@@ -1623,28 +1835,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
     for (int s = 0; s < DSLOTS; ++s) {
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
-      const bf16_t* xa = s < K ? act + s * I : act_s;
-      if (EARLY) {  // operand s's activations are whole: every unit of it counted
-        if (lane == 0) {
-          const int* cnt = ready + s;
-          const int want = s < K ? TI : TIS;
-          int now;
-          do {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(cnt) : "memory");
-          } while (now < want);
-        }
-        __syncwarp();
-      }
 #pragma unroll
       for (int i = 0; i < (s < K ? CW : CWS); ++i) {
         const int c = c0 + i * WARPS;
-        b[s][i] = g == 0 && c < kcd ? __ldcg(reinterpret_cast<const uint4*>(xa + c * 32 + t * 8)) : make_uint4(0, 0, 0, 0);
+        if (TAGS) {
+          b[s][i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8)
+                                      : make_uint4(0, 0, 0, 0);
+        } else {
+          const bf16_t* xa = s < K ? act + s * I : act_s;
+          b[s][i] = g == 0 && c < kcd ? __ldcg(reinterpret_cast<const uint4*>(xa + c * 32 + t * 8)) : make_uint4(0, 0, 0, 0);
+        }
       }
     }
-    if (!EARLY) mbar_wait(bar, parity);
 #pragma unroll
     for (int s = 0; s < DSLOTS; ++s) {
-      if (EARLY) mbar_wait(slot_bar(s), parity);
+      mbar_wait(bar + 8 * s, parity);  // operand s's pieces (the products of the first overlap the last copies)
       float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
@@ -1681,6 +1886,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       out[r16 * 16 + r] = f32_to_bf16(acc);
     }
     __syncthreads();
+  }
+  if (TAGS && blockIdx.x == 0 && threadIdx.x == 0) {  // every block has read the epoch: advance it
+    u32 n;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(epoch + 1) : "memory");
+    } while (n < gridDim.x);
+    epoch[1] = 0;
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(epoch), "r"(ep) : "memory");
   }
 }
 
@@ -2091,9 +2304,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
-// one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; two grid barriers
-extern "C" __global__ void __launch_bounds__(512) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, false>(wr, w13, ws13, w2, ws2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out);
+// one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true>(wr, w13, ws13, w2, ws2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
 }
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
