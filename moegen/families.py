@@ -122,6 +122,9 @@ class Tuning:
     # route is route_one's (no expert groups, hash tables or SparseMixer): measured on the H200
     # 27.5-27.9 against 28.5-28.7 us (Qwen3-30B-A3B), 29.4-29.6 against 29.8-30.1 (Qwen3-Next)
     single_tags: bool = True
+    # ... for FP8 block weights too (e4m3 codes, 128 x 128 block scales): compiled and launched
+    # without a GPU, not yet run on one, so off in the analytic plan
+    single_fp8: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -525,13 +528,16 @@ SINGLE_INFLIGHT = 4  # gate/up chunks in flight per warp (4 x 2 KB x 16 warps = 
 
 def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     """(dynamic shared memory bytes, gate/up units a block takes per round) of the single-launch
-    kernel for this layer, or None where it does not apply: it takes BF16 weights, no expert
-    parallelism, biases, identity experts, weighted inputs or hash routing, one reduction order
-    for every N only where the spec does not ask for it (batch_invariant), hidden sizes whose
-    32-wide chunks split evenly over its warps, and a block's share of the down weights (16 rows
-    of every chosen expert and of the shared expert, 1 KB per 32-wide chunk) must fit in shared
-    memory beside the reduction space."""
-    if not c.tune.single or c.spec.batch_invariant or c.kf_e != "bf16" or (c.si and c.kf_s != "bf16"):
+    kernel for this layer, or None where it does not apply: it takes BF16 weights (or, with the
+    tuning single_fp8, FP8 block weights; a shared expert in the routed experts' format), no
+    expert parallelism, biases, identity experts, weighted inputs or hash routing, one reduction
+    order for every N only where the spec does not ask for it (batch_invariant), hidden sizes
+    whose 32-wide chunks split evenly over its warps, and a block's share of the down weights (16
+    rows of every chosen expert and of the shared expert, 1 KB per 32-wide chunk in BF16, 512
+    bytes in FP8) must fit in shared memory beside the reduction space."""
+    # FP8 with tagged words only (with the barriers its down phase spills)
+    fmts = ("bf16", "fp8_block") if c.tune.single_fp8 and c.tune.single_tags else ("bf16",)
+    if not c.tune.single or c.spec.batch_invariant or c.kf_e not in fmts or (c.si and c.kf_s != c.kf_e):
         return None
     if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or 16 * (c.k + 1) > 32 * SINGLE_WARPS:
         return None
@@ -547,7 +553,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
     if single_tags(c):  # the logits, then the activations, staged in one space
         static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad)
-    smem = pieces * 1024 + red
+    smem = pieces * (512 if c.kf_e == "fp8_block" else 1024) + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
 
 
@@ -576,15 +582,18 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     ks = single_ksplit(c)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
-            + ("" if single_tags(c) else "_barriers")
+            + ("" if single_tags(c) else "_barriers") + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
-             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)))
+             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)), FMT_MACRO[c.kf_e])
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
-            ("const uint4* __restrict__ ws2", "ws2", "w.ws2"), ("const bf16_t* __restrict__ xr", "xr", c.x_router),
+            ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
+            ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
+            ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
+            ("const bf16_t* __restrict__ xr", "xr", c.x_router),
             ("const bf16_t* __restrict__ x", "x", c.x_expert), ("float* logits", "logits", "ws.logits"),
             ("unsigned* gbar", "gbar", "ws.gbar"),
             ("const float* __restrict__ corr_bias", "corr_bias", "w.corr_bias"),

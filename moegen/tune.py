@@ -31,7 +31,8 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
             + tuple(Tuning(prefill_from=p) for p in (64, 128, 256, 512, 1024, 2048, 1 << 20))
             + (Tuning(prefill_ws=True), Tuning(prefill_bm=64), Tuning(prefill_bm=64, prefill_stages=3),
                Tuning(prefill_stages=3), Tuning(prefill_shared=False), Tuning(single=False),
-               Tuning(single_coop=False), Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1)))
+               Tuning(single_coop=False), Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1),
+               Tuning(single_fp8=True), Tuning(single_fp8=True, down_tiles=1)))
 
 
 def _label(t: Tuning) -> str:
@@ -43,16 +44,21 @@ def _label(t: Tuning) -> str:
 
 def _valid(spec: Spec, only: tuple[str, ...] = ()) -> list[tuple[Tuning, Plan]]:
     """The variants that the kernels can take; with `only`, the analytic plan and the variants
-    that change one of those choices."""
+    that change one of those choices. A variant that launches what an earlier one does (the
+    same kernels, grids and launch kinds: a choice this layer does not have) is left out."""
     default = Tuning()
-    out = []
+    out, seen = [], set()
     for v in VARIANTS:
         if only and v != default and all(getattr(v, f) == getattr(default, f) for f in only):
             continue
         try:
-            out.append((v, make_plan(spec, tuning=v)))
+            plan = make_plan(spec, tuning=v)
         except PlanError:
             continue  # e.g. a ring that static shared memory cannot hold
+        launches = tuple((ln.kernel, ln.grid, ln.block, ln.coop) for b in plan.buckets for ln in b.launches)
+        if launches not in seen:
+            seen.add(launches)
+            out.append((v, plan))
     return out
 
 

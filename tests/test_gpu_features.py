@@ -80,19 +80,23 @@ def test_fused_tuning_matches_reference(name, tmp_path):
         layer.close()
 
 
-@pytest.mark.parametrize("tuning", [Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1), Tuning(down_tiles=1),
-                                    Tuning(single_coop=False)],
-                         ids=["barriers", "barriers-t1", "t1", "plain"])
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
-def test_one_token_kernel_tunings_match_reference(name, tuning, tmp_path):
+ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
+                     "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False)}
+ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
+    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1")]
+ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_fp8=True), "fp8-t1": Tuning(single_fp8=True, down_tiles=1)})
+
+
+@pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
+def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
-    group, so one bulk copy per expert; a plain launch) at N = 1 against the reference, three
-    calls on fresh inputs (the tagged words' epoch advancing), and two runs on one input giving
-    the same bits. The analytic plan's kernel is in the GPU tier."""
+    group, so one bulk copy per expert; a plain launch; FP8 block weights) at N = 1 against the
+    reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
+    one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
-    plan = make_plan(spec, tuning=tuning)
+    plan = make_plan(spec, tuning=ONE_TOKEN_TUNINGS[variant])
     assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)

@@ -229,7 +229,7 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     assert kernel == ln.kernel and config.grid == (132, 1) and config.is_cooperative
     assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
     assert all(int(a) != 0 for a, key in zip(args, plan.kernel(kernel).arg_keys)
-               if key not in ("w.corr_bias", "w.router_bias"))
+               if key not in ("w.corr_bias", "w.router_bias", "w.s13", "w.ss13", "w.s2", "w.ss2"))  # BF16: no scales
 
 
 def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fake_cuda):
@@ -252,6 +252,30 @@ def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fa
         assert ln.smem + res.smem_bytes <= 227 * 1024
     _check_pointers(fake_cuda, dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"],
                                                                      tuning=Tuning(single_tags=False)))
+
+
+def test_one_token_kernel_for_fp8_block_weights_compiles_and_launches(fake_cuda):
+    """With the tuning single_fp8 (not yet run on a GPU, so not the analytic plan's) the one-token
+    bucket of an FP8 block layer is the one-token kernel on e4m3 codes and block scales: it
+    compiles without spills, fits its shared memory (512-byte down pieces), and gets every
+    scale; a synthetic FP8 layer with a shared expert launches it completely."""
+    from moegen.build import render_all
+    from moegen.nvrtc import compile_cuda
+
+    spec = load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml")
+    assert make_plan(spec).kernel(make_plan(spec).buckets[0].launches[0].kernel).family != "single"
+    plan = make_plan(spec, tuning=Tuning(single_fp8=True))
+    (ln,) = plan.buckets[0].launches
+    k = plan.kernel(ln.kernel)
+    assert k.family == "single" and k.name.endswith("_fp8_block_sm_90a")
+    assert {"w.s13", "w.s2"} <= set(k.arg_keys)
+    res = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch).resources[k.name]
+    assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
+    assert ln.smem + res.smem_bytes <= 227 * 1024
+    small = dict(SPECS)["fp8"]
+    splan = make_plan(small, tuning=Tuning(single_fp8=True))
+    assert splan.kernel(splan.buckets[0].launches[0].kernel).family == "single"
+    _check_pointers(fake_cuda, small, splan)
 
 
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):

@@ -1360,8 +1360,9 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // epoch, and the workspace starts zeroed (epoch 0, never a call's).
 //
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
-// BF16 weights (routed and shared), no expert parallelism, biases or identity experts: the plan
-// (moegen.families.single_layout) gives this kernel only such layers, and the shapes it fits.
+// BF16 or FP8 block weights (the shared expert in the routed experts' format), no expert
+// parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives this
+// kernel only such layers, and the shapes it fits.
 
 // Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
 // 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
@@ -1541,21 +1542,30 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
 // grid barriers (see the top; with route_one's rules). Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
-                            const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr_in,
+                            const uint4* __restrict__ ws2, const float* __restrict__ s13,
+                            const float* __restrict__ ss13, const float* __restrict__ s2,
+                            const float* __restrict__ ss2, const bf16_t* __restrict__ xr_in,
                             const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
                             const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
                             int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
                             bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
-  constexpr int PIECES = K * KCD + KCDS;          // 1 KB pieces: 16 rows x 32 K of one chunk
+  constexpr int PIECES = K * KCD + KCDS;          // pieces: 16 rows x 32 K of one chunk (BF16 1 KB, FP8 512 bytes)
   constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
   constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
   constexpr int RTILES = ROWS_PAD / 16;
-  constexpr int AUD = 2 * TPB;  // 16-byte fragments per lane and chunk of a packed down row group
+  // FMT: BF16, or FP8 block (e4m3 codes, one 16-byte fragment per lane for two k-steps, exact
+  // bf16 through the tensor cores, each 128 x 128 block's scale in fp32; the shared expert's too)
+  constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK;
+  static_assert(FMT == MOE_W_BF16 || FP8, "the one-token kernel: BF16 or FP8 block weights");
+  constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk
+  constexpr int PU4 = AF * 32;            // uint4 of a piece: 16 rows x 32 K
+  constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
+  constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
@@ -1564,7 +1574,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
-  float* red = reinterpret_cast<float*>(dyn + PIECES * 64);
+  float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
   // TAGS: the partial logits (route), then the activations (down), staged here
   constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = 2 * NACT > 4 * NLOG ? 2 * NACT : 4 * NLOG;
@@ -1584,14 +1594,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // one tile per packed row group (TPB 1) an operand's rows are one contiguous run
   auto request = [&](int r16) {
     if (warp == 0) {
-      if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * 1024);
+      if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
       __syncwarp();
       if (TPB == 1) {
         if (lane < K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * 64),
-                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * 64, KCD * 1024, bar + 8 * lane);
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4),
+                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * PU4, KCD * PU4 * 16, bar + 8 * lane);
         } else if (KCDS > 0 && lane == K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * 64), ws2 + (size_t)r16 * KCDS * 64, KCDS * 1024,
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * PU4), ws2 + (size_t)r16 * KCDS * PU4, KCDS * PU4 * 16,
                     bar + 8 * K);
         }
       } else {
@@ -1600,12 +1610,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           const uint4* src;
           if (p < K * KCD) {
             const int j = p / KCD, c = p % KCD;
-            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + 2 * mt) * 32;
+            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + AF * mt) * 32;
           } else {
             const int c = p - K * KCD;
-            src = ws2 + (((size_t)group * KCDS + c) * AUD + 2 * mt) * 32;
+            src = ws2 + (((size_t)group * KCDS + c) * AUD + AF * mt) * 32;
           }
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * 64), src, 1024, bar + 8 * (p < K * KCD ? p / KCD : K));
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
         }
       }
     }
@@ -1726,21 +1736,34 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
     auto weights = [&](int k) -> const uint4* {
       const int u = u0 + k * gridDim.x;
-      return u < K * TI ? w13 + ((size_t)s_ids[u / TI] * TI + u % TI) * KC * 128
-                        : ws13 + (size_t)(u - K * TI) * KC * 128;
+      return u < K * TI ? w13 + ((size_t)s_ids[u / TI] * TI + u % TI) * KC * (2 * PU4)
+                        : ws13 + (size_t)(u - K * TI) * KC * (2 * PU4);
     };
-    // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight
+    // FP8: unit k's scales of gate (m = 0) and up (m = 1) for chunk c: s13 [2][E][I/128][H/128], ss13 [2][IS/128][H/128]
+    auto scale13 = [&](int k, int m, int c) -> float {
+      const int u = u0 + k * gridDim.x;
+      return u < K * TI ? __ldg(s13 + (size_t)m * E * (I / 128) * KB + ((size_t)s_ids[u / TI] * (I / 128) + (u % TI) / 8) * KB + c / 4)
+                        : __ldg(ss13 + (size_t)m * (IS / 128) * KB + (size_t)((u - K * TI) / 8) * KB + c / 4);
+    };
+    // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
+    // their FP8 scales)
     const int q_end = nu * CPU;
-    uint4 buf[P][4];
-    auto load = [&](int q, uint4 (&b)[4]) {
+    uint4 buf[P][2 * AF];
+    float scl[P][2];
+    auto load = [&](int q, uint4 (&b)[2 * AF], float (&sc)[2]) {
       if (q < q_end) {
-        const uint4* a = weights(q / CPU) + (size_t)(warp + (q % CPU) * WARPS) * 128 + lane;
+        const int c = warp + (q % CPU) * WARPS;
+        const uint4* a = weights(q / CPU) + (size_t)c * (2 * PU4) + lane;
 #pragma unroll
-        for (int f = 0; f < 4; ++f) b[f] = __ldcs(a + f * 32);
+        for (int f = 0; f < 2 * AF; ++f) b[f] = __ldcs(a + f * 32);
+        if (FP8) {
+#pragma unroll
+          for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
+        }
       }
     };
 #pragma unroll
-    for (int s = 0; s < P; ++s) load(s, buf[s]);
+    for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -1753,10 +1776,20 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
-          mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+          if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+            uint4 k0, k1;
+            e4m3x16_to_bf16(buf[s][m], k0, k1);
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, b.x, b.y);
+            mma_bf16(tmp, k1, b.z, b.w);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
+          } else {
+            mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+            mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+          }
         }
-        load(q + P, buf[s]);
+        load(q + P, buf[s], scl[s]);
         if ((q + 1) % CPU == 0) {  // the end of unit q / CPU: this warp's partial sums
           if (t == 0) {
             float* rk = red + ((q / CPU) * WARPS + warp) * 32;
@@ -1832,12 +1865,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       request(r16);
     }
     uint4 b[DSLOTS][CW > CWS ? CW : CWS];
+    float dsc[DSLOTS][CW > CWS ? CW : CWS];  // FP8: each piece's block scale, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
 #pragma unroll
     for (int s = 0; s < DSLOTS; ++s) {
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
       for (int i = 0; i < (s < K ? CW : CWS); ++i) {
         const int c = c0 + i * WARPS;
+        if (FP8 && c < kcd)
+          dsc[s][i] = s < K ? __ldg(s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + c / 4)
+                            : __ldg(ss2 + (size_t)(r16 / 8) * (IS / 128) + c / 4);
         if (TAGS) {
           b[s][i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8)
                                       : make_uint4(0, 0, 0, 0);
@@ -1856,9 +1893,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       for (int i = 0; i < (s < K ? CW : CWS); ++i) {
         const int c = c0 + i * WARPS;
         if (c < kcd) {
-          const uint4* pc = pieces + (base + c) * 64 + lane;
-          mma_bf16(o, pc[0], b[s][i].x, b[s][i].y);
-          mma_bf16(o, pc[32], b[s][i].z, b[s][i].w);
+          const uint4* pc = pieces + (base + c) * PU4 + lane;
+          if (FP8) {
+            uint4 k0, k1;
+            e4m3x16_to_bf16(pc[0], k0, k1);
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, b[s][i].x, b[s][i].y);
+            mma_bf16(tmp, k1, b[s][i].z, b[s][i].w);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) o[r] = fmaf(dsc[s][i], tmp[r], o[r]);
+          } else {
+            mma_bf16(o, pc[0], b[s][i].x, b[s][i].y);
+            mma_bf16(o, pc[32], b[s][i].z, b[s][i].w);
+          }
         }
       }
       if (t == 0) {
@@ -2305,8 +2352,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 // one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true>(wr, w13, ws13, w2, ws2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true, MOE_W_BF16>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
 }
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
