@@ -1573,7 +1573,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
   static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
-  uint4* pieces = dyn;                              // PIECES x 64 uint4, in slot (choice) order
+  uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
   // TAGS: the partial logits (route), then the activations (down), staged here
