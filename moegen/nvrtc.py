@@ -10,6 +10,7 @@ the lock removes or replaces an entry, so a reader never deletes what a writer j
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -53,6 +54,7 @@ class Compiled:
     key: str
 
 
+@functools.cache
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 

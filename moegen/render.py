@@ -29,9 +29,18 @@ def template_dir() -> Path:
 
 
 def _env() -> jinja2.Environment:
+    from .nvrtc import cache_dir
+
     root = template_dir()
+    try:  # Jinja's compiled templates beside the cubins: a cached build skips compiling them
+        d = cache_dir() / "jinja"
+        d.mkdir(parents=True, exist_ok=True)
+        bytecode = jinja2.FileSystemBytecodeCache(str(d))
+    except OSError:  # an unwritable cache: compile the templates each time
+        bytecode = None
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(root)),
+        bytecode_cache=bytecode,
         undefined=jinja2.StrictUndefined,  # a missing plan field is an error, never an empty string
         keep_trailing_newline=True,
         trim_blocks=True,
