@@ -125,6 +125,10 @@ class Tuning:
     # ... for FP8 block weights too (e4m3 codes, 128 x 128 block scales): compiled and launched
     # without a GPU, not yet run on one, so off in the analytic plan
     single_fp8: bool = False
+    # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
+    # 0's route has chosen its expert, while it chooses the rest (compiled and launched without a
+    # GPU, not yet run on one, so off in the analytic plan)
+    single_overlap: bool = False
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -576,18 +580,26 @@ def single_tags(c: Layer) -> bool:
     return c.tune.single_tags and r.n_group == 1 and r.score.value != "sparsemixer"
 
 
+def single_overlap(c: Layer) -> bool:
+    """Whether the one-token kernel overlaps its route with the first gate/up loads (tuning
+    single_overlap): with tagged words."""
+    return c.tune.single_overlap and single_tags(c)
+
+
 def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
     ks = single_ksplit(c)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
-            + ("" if single_tags(c) else "_barriers") + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
+            + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
+            + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
-             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)), FMT_MACRO[c.kf_e])
+             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)), FMT_MACRO[c.kf_e],
+             _b(single_overlap(c)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),

@@ -99,10 +99,10 @@ if [ "$mode" = prefill ]; then  # the prefill kernels against NumPy, the shared-
   run "bench-prefill-mixtral-8x7b" bench specs/mixtral-8x7b.yaml --tokens 128,512,2048,8192 --stages --compare
   for f in "$out"/bench-prefill-*.log; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; done
 fi
-if [ "$mode" = single ]; then  # grid barriers / down_tiles 1 / plain launch / FP8: correct, then which is fastest
+if [ "$mode" = single ]; then  # grid barriers / down_tiles 1 / plain launch / overlapped route / FP8: correct, then which is fastest
   run gpu-single pytest_gpu tests/test_gpu_features.py -k one_token_kernel_tunings
   for s in qwen3-30b-a3b qwen3-next-80b-a3b; do
-    run "tune-single-$s" python3 -W ignore -m moegen tune "specs/$s.yaml" --only single,single_coop,single_tags,down_tiles --tokens 1
+    run "tune-single-$s" python3 -W ignore -m moegen tune "specs/$s.yaml" --only single,single_coop,single_tags,single_overlap,down_tiles --tokens 1
     cat "$out/tune-single-$s.log"
   done
   run tune-single-fp8 python3 -W ignore -m moegen tune specs/qwen3-30b-a3b-fp8.yaml --only single_fp8 --tokens 1

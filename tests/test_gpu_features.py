@@ -81,7 +81,8 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 
 ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
-                     "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False)}
+                     "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False),
+                     "overlap": Tuning(single_overlap=True)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
     ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1")]
 ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_fp8=True), "fp8-t1": Tuning(single_fp8=True, down_tiles=1)})
@@ -90,7 +91,8 @@ ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_fp8=True), "fp8-t1": Tuning(singl
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
 def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
-    group, so one bulk copy per expert; a plain launch; FP8 block weights) at N = 1 against the
+    group, so one bulk copy per expert; a plain launch; the route overlapped with the first
+    gate/up loads; FP8 block weights) at N = 1 against the
     reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch

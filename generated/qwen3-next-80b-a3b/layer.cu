@@ -1419,9 +1419,11 @@ MOE_DEVICE uint4 ld_tagged4(const u32* p) {
 // looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
 // L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
 // ids, w, gate (shared memory).
-template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R>
+// OVERLAP_THREADS > 0: once the first `need` choices are in ids, warp 0 arrives at named barrier 1
+// of that many threads (the other warps, waiting there, start streaming their first unit).
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, int OVERLAP_THREADS = 0>
 MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
-                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate) {
+                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0) {
   constexpr int EPL = (E + 31) / 32;
   __shared__ float s_pick[K];
   const int lane = threadIdx.x & 31;
@@ -1507,6 +1509,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     li = bi[0];
   };
   best();
+  if (OVERLAP_THREADS > 0 && need == 0) asm volatile("bar.arrive 1, %0;" ::"n"(OVERLAP_THREADS) : "memory");
   for (int j = 0; j < K; ++j) {
     const u32 key = order_key(lv);
     const u32 kmax = __reduce_max_sync(0xffffffffu, key);
@@ -1518,6 +1521,10 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
       for (int i = 0; i < EPL; ++i)
         if (i == li) sel[i] = MOE_NEG_INF;
       best();
+    }
+    if (OVERLAP_THREADS > 0 && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
+      __syncwarp();
+      asm volatile("bar.arrive 1, %0;" ::"n"(OVERLAP_THREADS) : "memory");
     }
   }
   __syncwarp();
@@ -1539,10 +1546,13 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
 // row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
 // (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
-// grid barriers (see the top; with route_one's rules). Without TAGS: logits, act, act_s, gbar;
+// grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): the other warps start
+// streaming this block's first gate/up unit as soon as warp 0's route has chosen its expert (named
+// barrier 1), and go past their first unit's loads once the route is whole (named barrier 2).
+// Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -1708,7 +1718,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if constexpr (!RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
                 RouteRule::ZERO == 0 && !RouteRule::EP) {
     if (warp == 0) {
-      if constexpr (TAGS) {
+      if constexpr (TAGS && OVERLAP) {  // the first unit's choice: slot blockIdx / TI (none: a shared unit)
+        const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;
+        route_one<E, K, KSPLIT, ROWS_PAD, true, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids,
+                                                                                 s_w, s_gate, need);
+        asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");  // every choice and weight written
+      } else if constexpr (TAGS) {
         route_one<E, K, KSPLIT, ROWS_PAD, true, SHARED_GATE, RouteRule>(s_log, corr_bias, router_bias, s_ids, s_w,
                                                                         s_gate);
       } else {
@@ -1717,11 +1732,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
   } else {
-    static_assert(!TAGS, "tagged logits: route_one's rules");
+    static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false, false>(
         logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
   }
-  __syncthreads();
+  static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
+  if (OVERLAP) {  // warps 1..: this block's first unit's choice is written
+    if (warp != 0) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+  } else {
+    __syncthreads();
+  }
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
   if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
@@ -1764,6 +1784,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     };
 #pragma unroll
     for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
+    // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
+    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -1826,6 +1848,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
+  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
@@ -2037,7 +2060,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 }
 // one token in one launch: router (33 tiles x 4 parts), route in every block, gate/up (10 x 32 + 32 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e512_h2048_i512_k10_si512_ks4_n256_e512_k10_softmax_scores_renorm_sgate_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
-  single_body<64, 16, 16, 32, 32, 512, 512, 2048, 512, 10, 528, 4, 256, 2, true, 16, 3, 4, true, MOE_W_BF16>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
+  single_body<64, 16, 16, 32, 32, 512, 512, 2048, 512, 10, 528, 4, 256, 2, true, 16, 3, 4, true, MOE_W_BF16, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
 }
 // router: 528 rows x 2048, K split 4 ways, 8 tokens per pass; the last block routes
 extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_n256_route_e512_k10_softmax_scores_renorm_sgate_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
