@@ -1717,19 +1717,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   if constexpr (!RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
                 RouteRule::ZERO == 0 && !RouteRule::EP) {
-    if (warp == 0) {
-      if constexpr (TAGS && OVERLAP) {  // the first unit's choice: slot blockIdx / TI (none: a shared unit)
-        const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;
-        route_one<E, K, KSPLIT, ROWS_PAD, true, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids,
-                                                                                 s_w, s_gate, need);
-        asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");  // every choice and weight written
-      } else if constexpr (TAGS) {
-        route_one<E, K, KSPLIT, ROWS_PAD, true, SHARED_GATE, RouteRule>(s_log, corr_bias, router_bias, s_ids, s_w,
-                                                                        s_gate);
-      } else {
-        route_one<E, K, KSPLIT, (size_t)NMAX * ROWS_PAD, false, SHARED_GATE, RouteRule>(logits, corr_bias, router_bias,
-                                                                                        s_ids, s_w, s_gate);
-      }
+    if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
+      const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
+      route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
+                OVERLAP ? THREADS : 0>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need);
+      if (OVERLAP) asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");  // every choice and weight written
     }
   } else {
     static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
