@@ -14,7 +14,7 @@ import numpy as np
 
 from . import __version__
 from .families import Tuning
-from .nvrtc import Compiled, compile_cuda, nvrtc_version, options_of
+from .nvrtc import Compiled, compile_parts, nvrtc_version, options_of
 from .plan import Plan, PlanError, make_plan
 from .render import CUDA_FILE, LAUNCHER_FILE, render_cuda, render_launcher
 from .spec import Spec, load_spec, parse_spec
@@ -49,9 +49,11 @@ def manifest(spec: Spec, plan: Plan, compiled: Compiled) -> dict:
         "moegen": __version__,
         "arch": plan.arch,
         "nvrtc": nvrtc_version(),
-        "options": options_of(plan.arch),
+        # NVRTC's options: part p's define MOE_PART=p (this is part 0's; one program: no define)
+        "options": options_of(plan.arch, 0 if plan.parts > 1 else None),
+        "parts": plan.parts,
         "kernels": [
-            {"name": k.name, "family": k.family, "threads": k.threads,
+            {"name": k.name, "family": k.family, "threads": k.threads, "part": k.part,
              **(asdict(res[k.name]) if k.name in res else {})}
             for k in plan.kernels
         ],
@@ -130,7 +132,7 @@ def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str |
     out_dir = Path(out_root) / spec.name
     check_writable(out_dir.parent)
     files = render_all(spec, plan)
-    compiled = compile_cuda(files[CUDA_FILE], plan.arch, display=str(out_dir / CUDA_FILE), use_cache=use_cache)
+    compiled = compile_parts(files[CUDA_FILE], plan.arch, plan.parts, display=str(out_dir / CUDA_FILE), use_cache=use_cache)
     files[MANIFEST_FILE] = manifest_text(spec, plan, compiled)
     write_dir(out_dir, files)
     return BuildResult(spec, plan, out_dir, compiled, time.perf_counter() - t0)

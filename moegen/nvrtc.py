@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +48,18 @@ class KernelResources:
 
 @dataclass(frozen=True)
 class Compiled:
-    cubin: bytes
+    cubins: tuple[bytes, ...]  # one per program: a layer is compiled as `parts` programs (compile_parts)
     log: str
     resources: dict[str, KernelResources]
     cached: bool
     key: str
+
+    @property
+    def cubin(self) -> bytes:
+        """The cubin of a source compiled as one program."""
+        if len(self.cubins) != 1:
+            raise ValueError(f"{len(self.cubins)} cubins (a layer compiled in parts): use .cubins")
+        return self.cubins[0]
 
 
 @functools.cache
@@ -64,11 +72,15 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-SPLIT = 2  # NVRTC compiles the kernels in 2 threads (--split-compile): a cold build in about a second
+SPLIT = 2  # NVRTC compiles the kernels of one program in 2 threads (--split-compile); a layer in
+# parts (moegen.plan.COMPILE_PARTS) compiles each part in one thread
 
 
-def options_of(arch: str) -> dict[str, object]:
-    return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": SPLIT}
+def options_of(arch: str, part: int | None = None) -> dict[str, object]:
+    """NVRTC's options: one program (split over SPLIT threads), or part `part` of a layer (one thread)."""
+    if part is None:
+        return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": SPLIT}
+    return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": 1, "define_macro": f"MOE_PART={part}"}
 
 
 def cache_dir() -> Path:
@@ -79,10 +91,10 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "moegen"
 
 
-def cache_key(source: str, arch: str) -> str:
+def cache_key(source: str, arch: str, part: int | None = None) -> str:
     h = hashlib.sha256()
-    for part in (source, json.dumps(options_of(arch), sort_keys=True), arch, nvrtc_version(), __version__):
-        h.update(part.encode())
+    for piece in (source, json.dumps(options_of(arch, part), sort_keys=True), arch, nvrtc_version(), __version__):
+        h.update(piece.encode())
         h.update(b"\0")
     return h.hexdigest()
 
@@ -129,11 +141,11 @@ def _clean(log: str) -> str:
     return log.replace("\x00", "").strip()  # NVRTC pads its logs with NULs
 
 
-def _compile_uncached(source: str, arch: str, display: str) -> tuple[bytes, str]:
+def _compile_uncached(source: str, arch: str, display: str, part: int | None = None) -> tuple[bytes, str]:
     from cuda.core import Program, ProgramOptions
 
     log = io.StringIO()
-    opts = ProgramOptions(name=os.path.basename(display), **options_of(arch))
+    opts = ProgramOptions(name=os.path.basename(display), **options_of(arch, part))
     try:
         obj = Program(source, code_type="c++", options=opts).compile("cubin", logs=log)
     except Exception as exc:  # noqa: BLE001 - cuda.core's NVRTCError (log in its message) is not public API
@@ -146,17 +158,19 @@ def _compile_uncached(source: str, arch: str, display: str) -> tuple[bytes, str]
     return bytes(obj.code), _clean(log.getvalue())
 
 
-def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: bool = True) -> Compiled:
-    """Compile (or fetch from the cache) the cubin of `source` for `arch`."""
-    key = cache_key(source, arch)
+def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: bool = True,
+                 part: int | None = None) -> Compiled:
+    """Compile (or fetch from the cache) the cubin of `source` for `arch`: the whole source, or the
+    kernels of part `part` (MOE_PART defined)."""
+    key = cache_key(source, arch, part)
     if not use_cache:
-        cubin, log = _compile_uncached(source, arch, display)
-        return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
+        cubin, log = _compile_uncached(source, arch, display, part)
+        return Compiled((cubin,), log, parse_resources(log), cached=False, key=key)
     root = cache_dir()
     entry = root / key
     hit = _read_entry(entry, key)
     if hit:
-        return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
+        return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key)
     try:
         (root / "locks").mkdir(parents=True, exist_ok=True)
         # 256 lock stripes by key prefix: bounded lock files; two keys sharing one only wait.
@@ -168,12 +182,43 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
     try:
         hit = _read_entry(entry, key)  # another process may have built it while we waited
         if hit:
-            return Compiled(hit[0], hit[1], parse_resources(hit[1]), cached=True, key=key)
-        cubin, log = _compile_uncached(source, arch, display)
+            return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key)
+        cubin, log = _compile_uncached(source, arch, display, part)
         _write_entry(root, entry, key, cubin, log)
     finally:
         lock.release()
-    return Compiled(cubin, log, parse_resources(log), cached=False, key=key)
+    return Compiled((cubin,), log, parse_resources(log), cached=False, key=key)
+
+
+def compile_parts(source: str, arch: str, parts: int, display: str = "layer.cu", use_cache: bool = True) -> Compiled:
+    """A layer's source as `parts` programs compiled at once, one thread each (each its own cache
+    entry), or as one program where parts is 1: the cubins in part order, the logs and resources
+    together. The first error (in part order) is raised, after every part has finished."""
+    if parts == 1:
+        return compile_cuda(source, arch, display, use_cache)
+    done = [_cached(source, arch, p) for p in range(parts)] if use_cache else [None]
+    if not all(done):
+        # cuda.core and NVRTC load lazily: here, once, not in two threads at a time (a half-imported
+        # cuda.core is what a racing thread would see)
+        from cuda.core import Program, ProgramOptions  # noqa: F401
+
+        nvrtc_version()
+        with ThreadPoolExecutor(parts) as pool:
+            futures = [pool.submit(compile_cuda, source, arch, display, use_cache, p) for p in range(parts)]
+            done = [f.result() for f in futures]
+    resources: dict[str, KernelResources] = {}
+    for c in done:
+        resources.update(c.resources)
+    key = hashlib.sha256("".join(c.key for c in done).encode()).hexdigest()
+    return Compiled(tuple(c.cubin for c in done), "\n".join(c.log for c in done), resources,
+                    cached=all(c.cached for c in done), key=key)
+
+
+def _cached(source: str, arch: str, part: int | None) -> Compiled | None:
+    """The cache's entry for this source and part, if it holds a whole one (no lock: only read)."""
+    key = cache_key(source, arch, part)
+    hit = _read_entry(cache_dir() / key, key)
+    return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key) if hit else None
 
 
 def _read_entry(entry: Path, key: str) -> tuple[bytes, str] | None:

@@ -69,6 +69,7 @@ class Kernel:
     body: str
     comment: str
     cluster: int = 1  # blocks per thread-block cluster (__cluster_dims__ of the kernel)
+    part: int = 0  # the program (of Plan.parts) the kernel is compiled in: the source's MOE_PART guards
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,34 @@ class Plan:
                 return k
         raise KeyError(name)
 
+    @property
+    def parts(self) -> int:
+        """The programs the layer's source is compiled as, at once (moegen.nvrtc.compile_parts)."""
+        return 1 + max((k.part for k in self.kernels), default=0)
+
+
+# The layer's kernels are compiled as COMPILE_PARTS programs at once, one thread each: on a 2-core
+# machine Qwen3-30B-A3B's 23 kernels took 2.25 s as one program with --split-compile=2 (its front
+# end and the uneven split leave a core idle), 1.55 s as two. The kernels are dealt out by the
+# seconds one of each family takes to compile alone (measured there, 2026-11-30), longest first,
+# each to the lightest part so far; a family not listed weighs 0.1.
+COMPILE_PARTS = 2
+COMPILE_COST = {"single": 0.38, "prefill_gemm_gate_up": 0.38, "route": 0.30, "expert": 0.30, "down": 0.23,
+                "router": 0.20, "prefill_gemm_down": 0.14, "gate_up": 0.13, "pack": 0.08, "prefill_scan": 0.08,
+                "combine": 0.06, "prefill_combine": 0.06}
+
+
+def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+    """The kernels with their parts (COMPILE_PARTS, fewer for fewer kernels), in their order."""
+    parts = min(COMPILE_PARTS, len(kernels))
+    load = [0.0] * parts
+    part: dict[str, int] = {}
+    for k in sorted(kernels, key=lambda k: (-COMPILE_COST.get(k.family, 0.1), k.name)):
+        p = min(range(parts), key=lambda i: (load[i], i))
+        load[p] += COMPILE_COST.get(k.family, 0.1)
+        part[k.name] = p
+    return tuple(replace(k, part=part[k.name]) for k in kernels)
+
 
 def _buckets(spec: Spec) -> tuple[int, ...]:
     if spec.buckets is not None:
@@ -256,7 +285,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
-        kernels=tuple(kernels.values()), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
+        kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
         prefill_tiles=astuple(P.tiles(c)) if pf else (),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),

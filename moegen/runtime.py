@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -167,15 +167,17 @@ def allow_smem(kernel: Any, size: int, device: Any) -> None:
 class Layer:
     """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
 
-    def __init__(self, plan: Plan, cubin: bytes, kernel_names: list[str], device: Any = None) -> None:
+    def __init__(self, plan: Plan, cubins: bytes | Sequence[bytes], kernel_names: list[str], device: Any = None) -> None:
         from cuda.core import Device, ObjectCode
 
         self.plan = plan
         self.device = device if device is not None else Device()
         self.device.set_current()
         self.device_id = int(self.device.device_id)
-        module = ObjectCode.from_cubin(cubin)
-        self._kernels = {name: module.get_kernel(name) for name in kernel_names}
+        # one module per compiled part (moegen.plan.Kernel.part), or one for the whole source
+        modules = [ObjectCode.from_cubin(c) for c in ((cubins,) if isinstance(cubins, bytes) else cubins)]
+        part = {k.name: k.part if len(modules) > 1 else 0 for k in plan.kernels}
+        self._kernels = {name: modules[part[name]].get_kernel(name) for name in kernel_names}
         smem: dict[str, int] = {}
         for b in plan.buckets:
             for ln in b.launches:
@@ -469,11 +471,11 @@ def load(path: str | Path, weights: Mapping[str, Any] | None = None, device: Any
 
 def layer_from_files(cuda_file: Path, plan_data: dict, weights: Mapping[str, Any] | None, device: Any) -> Layer:
     """What a generated launcher calls: compile (or fetch from the cache) its CUDA, build the layer."""
-    from .nvrtc import compile_cuda
+    from .nvrtc import compile_parts
 
     plan = plan_from_dict(plan_data)
-    compiled = compile_cuda(cuda_file.read_text(), plan.arch, display=str(cuda_file))
-    layer = Layer(plan, compiled.cubin, [k.name for k in plan.kernels], device)
+    compiled = compile_parts(cuda_file.read_text(), plan.arch, plan.parts, display=str(cuda_file))
+    layer = Layer(plan, compiled.cubins, [k.name for k in plan.kernels], device)
     if weights is not None:
         layer.load_weights(weights)
     return layer

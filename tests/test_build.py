@@ -21,7 +21,7 @@ import moegen
 import moegen.build as build_mod
 import moegen.nvrtc as nvrtc_mod
 from moegen.build import MANIFEST_FILE, BuildError, build, manifest, manifest_text, render_all, write_dir
-from moegen.nvrtc import Compiled, CompileError, cache_key, compile_cuda, nvrtc_version
+from moegen.nvrtc import Compiled, CompileError, cache_key, compile_cuda, compile_parts, nvrtc_version
 from moegen.plan import Plan, PlanError, make_plan
 from moegen.render import CUDA_FILE, LAUNCHER_FILE
 from moegen.spec import Spec, load_spec, parse_spec
@@ -71,7 +71,8 @@ def made():
             plan = make_plan(spec)
             files = render_all(spec, plan)
             display = f"generated/{spec.name}/{CUDA_FILE}"
-            memo[path] = Made(spec, plan, files, compile_cuda(files[CUDA_FILE], plan.arch, display, use_cache=False))
+            memo[path] = Made(spec, plan, files, compile_parts(files[CUDA_FILE], plan.arch, plan.parts, display,
+                                                               use_cache=False))
         return memo[path]
 
     return get
@@ -236,7 +237,7 @@ def test_stale_file_is_reported_with_the_fix(tmp_path: Path, monkeypatch: pytest
 @pytest.mark.parametrize("path", SPECS, ids=ids)
 def test_spec_compiles_without_spills_or_stack(path: Path, made):
     m = made(path)
-    assert m.compiled.cubin[:4] == b"\x7fELF"
+    assert m.compiled.cubins and all(c[:4] == b"\x7fELF" for c in m.compiled.cubins)
     res = m.compiled.resources
     assert set(res) == {k.name for k in m.plan.kernels}, "ptxas -v did not report every kernel"
     bad = {n: r for n, r in res.items() if r.spill_stores or r.spill_loads or r.stack_bytes}
@@ -354,6 +355,23 @@ def test_changed_source_misses(cache: Path):
     assert cache_entries(cache) == sorted([a.key, b.key])
 
 
+def test_layer_compiles_as_parts_each_kernel_in_one():
+    """The plan deals the kernels into parts (the longest to compile first, each to the lightest
+    part); each part's program (MOE_PART defined) compiles exactly its kernels, every kernel is in
+    one part, and compile_parts returns their cubins in part order with every kernel's resources."""
+    spec = load_spec(ROOT / "specs" / "qwen1.5-moe-a2.7b.yaml")
+    plan = make_plan(spec)
+    src = render_all(spec, plan)[CUDA_FILE]
+    assert plan.parts == 2 and {k.part for k in plan.kernels} == {0, 1}
+    names = [{k.name for k in plan.kernels if k.part == p} for p in range(plan.parts)]
+    for p in range(plan.parts):
+        assert set(compile_cuda(src, plan.arch, use_cache=False, part=p).resources) == names[p]
+    both = compile_parts(src, plan.arch, plan.parts, use_cache=False)
+    assert len(both.cubins) == 2 and set(both.resources) == names[0] | names[1]
+    with pytest.raises(ValueError, match="cubins"):
+        both.cubin  # noqa: B018 - a layer in parts has no single cubin
+
+
 def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch):
     k = cache_key(SMALL, ARCH)
     assert k == cache_key(SMALL, ARCH) and re.fullmatch(r"[0-9a-f]{64}", k)
@@ -365,8 +383,11 @@ def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(nvrtc_mod, "__version__", "0.0.0-other")
     assert cache_key(SMALL, ARCH) != k
     monkeypatch.undo()
-    monkeypatch.setattr(nvrtc_mod, "options_of", lambda arch: {"arch": arch, "std": "c++20", "ptxas_options": ["-v"]})
+    monkeypatch.setattr(nvrtc_mod, "options_of", lambda arch, part=None: {"arch": arch, "std": "c++20",
+                                                                        "ptxas_options": ["-v"]})
     assert cache_key(SMALL, ARCH) != k
+    monkeypatch.undo()
+    assert len({k, cache_key(SMALL, ARCH, 0), cache_key(SMALL, ARCH, 1)}) == 3  # each part of a layer its own entry
 
 
 def damage_truncate(entry: Path) -> None:

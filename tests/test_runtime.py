@@ -256,6 +256,20 @@ def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fa
         _check_pointers(fake_cuda, dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"], tuning=tuning))
 
 
+def test_layer_in_parts_takes_each_kernel_from_its_part(fake_cuda, monkeypatch):
+    """A layer compiled in parts loads one module per cubin and takes each kernel from its part's."""
+    import cuda.core
+
+    monkeypatch.setattr(cuda.core, "ObjectCode", SimpleNamespace(from_cubin=lambda b: SimpleNamespace(
+        get_kernel=lambda name: FakeKernel(f"{b.decode()}:{name}"))))
+    spec, plan = dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"])
+    assert plan.parts == 2
+    device = SimpleNamespace(device_id=0, set_current=lambda: None,
+                             properties=SimpleNamespace(multiprocessor_count=132))
+    layer = runtime.Layer(plan, (b"part0", b"part1"), [k.name for k in plan.kernels], device=device)
+    assert all(layer._kernels[k.name] == f"part{k.part}:{k.name}" for k in plan.kernels)
+
+
 def test_one_token_kernel_for_fp8_block_weights_compiles_and_launches(fake_cuda):
     """With the tuning single_fp8 (not yet run on a GPU, so not the analytic plan's) the one-token
     bucket of an FP8 block layer is the one-token kernel on e4m3 codes and block scales: it
