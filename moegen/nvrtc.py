@@ -78,9 +78,10 @@ SPLIT = 2  # NVRTC compiles the kernels of one program in 2 threads (--split-com
 
 def options_of(arch: str, part: int | None = None) -> dict[str, object]:
     """NVRTC's options: one program (split over SPLIT threads), or part `part` of a layer (one thread)."""
-    if part is None:
-        return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": SPLIT}
-    return {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": 1, "define_macro": f"MOE_PART={part}"}
+    opts: dict[str, object] = {"arch": arch, "std": STD, "ptxas_options": ["-v"], "split_compile": SPLIT}
+    if part is not None:
+        opts.update(split_compile=1, define_macro=f"MOE_PART={part}")
+    return opts
 
 
 def cache_dir() -> Path:
@@ -168,9 +169,9 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
         return Compiled((cubin,), log, parse_resources(log), cached=False, key=key)
     root = cache_dir()
     entry = root / key
-    hit = _read_entry(entry, key)
+    hit = _cached(key)
     if hit:
-        return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key)
+        return hit
     try:
         (root / "locks").mkdir(parents=True, exist_ok=True)
         # 256 lock stripes by key prefix: bounded lock files; two keys sharing one only wait.
@@ -180,9 +181,9 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
         raise CacheError(f"{root}: cannot use the cubin cache: {exc.strerror or exc} "
                          "(set MOEGEN_CACHE to a writable directory, or build with --no-cache)") from None
     try:
-        hit = _read_entry(entry, key)  # another process may have built it while we waited
+        hit = _cached(key)  # another process may have built it while we waited
         if hit:
-            return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key)
+            return hit
         cubin, log = _compile_uncached(source, arch, display, part)
         _write_entry(root, entry, key, cubin, log)
     finally:
@@ -196,7 +197,7 @@ def compile_parts(source: str, arch: str, parts: int, display: str = "layer.cu",
     together. The first error (in part order) is raised, after every part has finished."""
     if parts == 1:
         return compile_cuda(source, arch, display, use_cache)
-    done = [_cached(source, arch, p) for p in range(parts)] if use_cache else [None]
+    done = [_cached(cache_key(source, arch, p)) for p in range(parts)] if use_cache else [None]
     if not all(done):
         # cuda.core and NVRTC load lazily: here, once, not in two threads at a time (a half-imported
         # cuda.core is what a racing thread would see)
@@ -214,9 +215,8 @@ def compile_parts(source: str, arch: str, parts: int, display: str = "layer.cu",
                     cached=all(c.cached for c in done), key=key)
 
 
-def _cached(source: str, arch: str, part: int | None) -> Compiled | None:
-    """The cache's entry for this source and part, if it holds a whole one (no lock: only read)."""
-    key = cache_key(source, arch, part)
+def _cached(key: str) -> Compiled | None:
+    """The cache's entry `key`, if it holds a whole one (no lock: only read)."""
     hit = _read_entry(cache_dir() / key, key)
     return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key) if hit else None
 

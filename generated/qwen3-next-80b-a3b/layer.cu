@@ -1648,9 +1648,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   grid_dep_wait();  // x (and the last call's readers of this workspace) are done
   // thread 0 asks for the barrier word (its top bit: the phase) or the last call's epoch now, and
   // waits for it only where it is used (the router's products wait for x meanwhile)
-  unsigned phase = 0;
+  unsigned word = 0, phase = 0;
   if (threadIdx.x == 0)
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(phase) : "l"(TAGS ? epoch : gbar) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(word) : "l"(TAGS ? epoch : gbar) : "memory");
   for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
     const int tile = u / KSPLIT, part = u % KSPLIT;
     if (u != (int)blockIdx.x) router_weights(u);
@@ -1669,7 +1669,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       red[warp * 16 + g] = acc[0];
       red[warp * 16 + g + 8] = acc[2];
     }
-    if (TAGS && threadIdx.x == 0) s_ep = phase + 1;  // this call's epoch
+    if (TAGS && threadIdx.x == 0) s_ep = word + 1;  // this call's epoch
     __syncthreads();
     if (threadIdx.x < 16) {
       float s = 0.0f;
@@ -1683,12 +1683,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     __syncthreads();
   }
   if (TAGS) {
-    if (threadIdx.x == 0) s_ep = phase + 1;
+    if (threadIdx.x == 0) s_ep = word + 1;
     __syncthreads();
     // this block has read the epoch (the value was used above): count it, for block 0's advance
     if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(epoch + 1) : "memory");
   } else {
-    phase &= 0x80000000u;
+    phase = word & 0x80000000u;
     grid_barrier(gbar, phase);
   }
   const u32 ep = TAGS ? s_ep : 0u;
