@@ -1458,7 +1458,13 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
     v[i] = e < E ? s : MOE_NEG_INF;
   }
-  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+  // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
+  // the logits' order (equal logits: equal scores, the lower expert first), so the route picks
+  // the k largest logits and computes the k weights alone (LOGIT_ORDER), with no pass over the
+  // experts' scores.
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  if (LOGIT_ORDER) {
+  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
     float mx = MOE_NEG_INF;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -1510,6 +1516,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   };
   best();
   if (OVERLAP_THREADS > 0 && need == 0) asm volatile("bar.arrive 1, %0;" ::"n"(OVERLAP_THREADS) : "memory");
+#pragma unroll 1
   for (int j = 0; j < K; ++j) {
     const u32 key = order_key(lv);
     const u32 kmax = __reduce_max_sync(0xffffffffu, key);
@@ -1530,14 +1537,23 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   __syncwarp();
   const float my_v = lane < K ? s_pick[lane] : 0.0f;
   float w = my_v;
-  if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
+    float all = 0.0f;
+    if (!R::RENORM) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    }
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / warp_sum(R::RENORM ? w : all);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
     const float top = __shfl_sync(0xffffffffu, my_v, 0);
     w = lane < K ? expf(my_v - top) : 0.0f;
     w = w / warp_sum(w);
   } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
     w = 1.0f / (1.0f + expf(-my_v));
   }
-  if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
   w *= R::SCALE;
   if (lane < K) w_out[lane] = w;
   if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
@@ -1587,8 +1603,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
   // TAGS: the partial logits (route), then the activations (down), staged here
-  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = 2 * NACT > 4 * NLOG ? 2 * NACT : 4 * NLOG;
-  __shared__ __align__(16) unsigned char s_stage[TAGS ? STAGE : 16];
+  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
+  __shared__ __align__(16) unsigned char s_stage[STAGE];
+  // FP8: the block scales of this block's down rows, [operand][128-wide K block]
+  constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
+  __shared__ float s_dsc[FP8 ? DSLOTS * KBD : 1];
   bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
@@ -1627,6 +1646,15 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           }
           bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
         }
+      }
+      if (FP8) {  // the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
+        for (int i = lane; i < DSLOTS * KBD; i += 32) {
+          const int s = i / KBD, kb = i % KBD;
+          if (s < K ? kb < I / 128 : kb < IS / 128)
+            cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + kb
+                                       : ss2 + (size_t)(r16 / 8) * (IS / 128) + kb);
+        }
+        cp_async_commit();
       }
     }
   };
@@ -1844,68 +1872,68 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
-  // ... of each operand's run (p = s * KCD + c). The activations: straight from L2 (other blocks
-  // wrote them, before the barrier), or (TAGS) staged in shared memory by the whole block, loaded
-  // until every one carries this call's epoch.
-  if (TAGS && (int)blockIdx.x < H / 16) {
-    constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
-    const u32 want = ep & 0xffffu;
-    for (;;) {
-      bool stale = false;
-      uint4 q[PER];
+  // ... of each operand's run (p = s * KCD + c). The activations are staged in shared memory by
+  // the whole block: (TAGS) loaded until every one carries this call's epoch, or copied from L2
+  // (other blocks wrote them, before the barrier). The operands are a loop, not unrolled: this
+  // code runs once per call, and its instructions come from L2 the first time.
+  if ((int)blockIdx.x < H / 16) {
+    if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
+    if (TAGS) {
+      constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
+      const u32 want = ep & 0xffffu;
+      for (;;) {
+        bool stale = false;
+        uint4 q[PER];
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int v = (int)threadIdx.x + i * THREADS;
-        if (v < NACT / 4) q[i] = ld_tagged4(tact + 4 * v);
-      }
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int v = (int)threadIdx.x + i * THREADS;
-        if (v < NACT / 4) {
-          stale |= (q[i].x >> 16) != want || (q[i].y >> 16) != want || (q[i].z >> 16) != want || (q[i].w >> 16) != want;
-          *reinterpret_cast<uint2*>(s_act + 4 * v) =
-              make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
+        for (int i = 0; i < PER; ++i) {
+          const int v = (int)threadIdx.x + i * THREADS;
+          if (v < NACT / 4) q[i] = ld_tagged4(tact + 4 * v);
         }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int v = (int)threadIdx.x + i * THREADS;
+          if (v < NACT / 4) {
+            stale |= (q[i].x >> 16) != want || (q[i].y >> 16) != want || (q[i].z >> 16) != want || (q[i].w >> 16) != want;
+            *reinterpret_cast<uint2*>(s_act + 4 * v) =
+                make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
+          }
+        }
+        if (!__syncthreads_or(stale)) break;
+        __nanosleep(64);
       }
-      if (!__syncthreads_or(stale)) break;
-      __nanosleep(64);
+    } else {
+      static_assert(I % 8 == 0 && IS % 8 == 0, "activations copied 8 at a time");
+      for (int v = threadIdx.x; v < NACT / 8; v += THREADS)
+        reinterpret_cast<uint4*>(s_act)[v] = __ldcg(reinterpret_cast<const uint4*>(8 * v < K * I ? act + 8 * v : act_s + (8 * v - K * I)));
+      __syncthreads();
     }
   }
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
+  constexpr int CWM = CW > CWS ? CW : CWS;
   u32 parity = 0;
   for (int r16 = blockIdx.x; r16 < H / 16; r16 += gridDim.x) {
     if (r16 != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
       request(r16);
-    }
-    uint4 b[DSLOTS][CW > CWS ? CW : CWS];
-    float dsc[DSLOTS][CW > CWS ? CW : CWS];  // FP8: each piece's block scale, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
-#pragma unroll
-    for (int s = 0; s < DSLOTS; ++s) {
-      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
-#pragma unroll
-      for (int i = 0; i < (s < K ? CW : CWS); ++i) {
-        const int c = c0 + i * WARPS;
-        if (FP8 && c < kcd)
-          dsc[s][i] = s < K ? __ldg(s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + c / 4)
-                            : __ldg(ss2 + (size_t)(r16 / 8) * (IS / 128) + c / 4);
-        if (TAGS) {
-          b[s][i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8)
-                                      : make_uint4(0, 0, 0, 0);
-        } else {
-          const bf16_t* xa = s < K ? act + s * I : act_s;
-          b[s][i] = g == 0 && c < kcd ? __ldcg(reinterpret_cast<const uint4*>(xa + c * 32 + t * 8)) : make_uint4(0, 0, 0, 0);
-        }
+      if (FP8) {
+        cp_async_wait<0>();
+        __syncthreads();
       }
     }
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < DSLOTS; ++s) {
+      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
+      uint4 b[CWM];  // the activations of this warp's pieces (the shared expert's follow the K experts')
+#pragma unroll
+      for (int i = 0; i < CWM; ++i) {
+        const int c = c0 + i * WARPS;
+        b[i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+      }
       mbar_wait(bar + 8 * s, parity);  // operand s's pieces (the products of the first overlap the last copies)
       float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
-      for (int i = 0; i < (s < K ? CW : CWS); ++i) {
+      for (int i = 0; i < CWM; ++i) {
         const int c = c0 + i * WARPS;
         if (c < kcd) {
           const uint4* pc = pieces + (base + c) * PU4 + lane;
@@ -1913,13 +1941,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             uint4 k0, k1;
             e4m3x16_to_bf16(pc[0], k0, k1);
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_bf16(tmp, k0, b[s][i].x, b[s][i].y);
-            mma_bf16(tmp, k1, b[s][i].z, b[s][i].w);
+            mma_bf16(tmp, k0, b[i].x, b[i].y);
+            mma_bf16(tmp, k1, b[i].z, b[i].w);
+            const float sc = s_dsc[s * KBD + c / 4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) o[r] = fmaf(dsc[s][i], tmp[r], o[r]);
+            for (int r = 0; r < 4; ++r) o[r] = fmaf(sc, tmp[r], o[r]);
           } else {
-            mma_bf16(o, pc[0], b[s][i].x, b[s][i].y);
-            mma_bf16(o, pc[32], b[s][i].z, b[s][i].w);
+            mma_bf16(o, pc[0], b[i].x, b[i].y);
+            mma_bf16(o, pc[32], b[i].z, b[i].w);
           }
         }
       }
