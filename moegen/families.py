@@ -122,13 +122,23 @@ class Tuning:
     # route is route_one's (no expert groups, hash tables or SparseMixer): measured on the H200
     # 27.5-27.9 against 28.5-28.7 us (Qwen3-30B-A3B), 29.4-29.6 against 29.8-30.1 (Qwen3-Next)
     single_tags: bool = True
-    # ... for FP8 block weights too (e4m3 codes, 128 x 128 block scales): compiled and launched
-    # without a GPU, not yet run on one, so off in the analytic plan
-    single_fp8: bool = False
+    # ... for FP8 block weights too (e4m3 codes, 128 x 128 block scales; with tagged words):
+    # Qwen3-30B-A3B-FP8 at N = 1 22.4-22.8 us against 26.5 in four launches (H200)
+    single_fp8: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
-    # 0's route has chosen its expert, while it chooses the rest (compiled and launched without a
-    # GPU, not yet run on one, so off in the analytic plan)
+    # 0's route has chosen its expert, while it chooses the rest (named barriers): correct against
+    # the reference and 0.6-0.7 us faster on the H200, but compute-sanitizer racecheck reports
+    # hazards for it (not yet traced to its accesses), so off in the analytic plan
     single_overlap: bool = False
+    # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
+    # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor
+    # copy (a TMA tensor map over the packed weights, moegen.plan.TensorMap) rather than a bulk
+    # copy per piece, which held the asking warp for ~9 us at Qwen3-30B-A3B's 192 pieces. None (the
+    # analytic plan): for FP8 block weights, whose pieces are 512 bytes (Qwen3-30B-A3B-FP8 at N = 1:
+    # 22.8 against 25.2 us on the H200); in BF16 its fence (fence.proxy.tensormap: the maps as the
+    # tensor copies see them) cost what the fewer copies saved (28.6 against 28.6 us). True / False:
+    # always / never
+    single_tmap: bool | None = None
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -588,6 +598,33 @@ def single_overlap(c: Layer) -> bool:
     return c.tune.single_overlap and single_tags(c)
 
 
+def single_tmap(c: Layer) -> bool:
+    """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
+    copy (tuning single_tmap): where they are pieces apart (down_tiles > 1)."""
+    on = c.kf_e == "fp8_block" if c.tune.single_tmap is None else c.tune.single_tmap
+    return on and c.tune.down_tiles > 1
+
+
+def single_tensor_maps(c: Layer) -> tuple:
+    """The tensor maps the one-token kernel copies its down rows with (single_tmap): over the packed
+    down weights w2 [E][row group][chunk][tile][piece] and the shared expert's ws2 (no E), 32-bit
+    elements, one box = one tile's pieces of every chunk (one operand's rows of a block, contiguous
+    in shared memory as the kernel reads them)."""
+    from .plan import TensorMap
+
+    if not single_tmap(c):
+        return ()
+    piece = 512 if c.kf_e == "fp8_block" else 1024  # bytes of 16 rows x 32 K
+    t, groups = c.tune.down_tiles, c.h // (16 * c.tune.down_tiles)
+
+    def tmap(weight: str, kcd: int, experts: int) -> TensorMap:
+        dims = (piece // 4, t, kcd, groups) + ((experts,) if experts else ())
+        strides = (piece, piece * t, piece * t * kcd) + ((piece * t * kcd * groups,) if experts else ())
+        return TensorMap(weight, dims, strides, (piece // 4, 1, kcd, 1) + ((1,) if experts else ()))
+
+    return (tmap("w2", c.i // 32, c.e_local),) + ((tmap("ws2", c.si // 32, 0),) if c.si else ())
+
+
 def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
@@ -595,13 +632,14 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
+            + ("_tmap" if single_tmap(c) else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)))
+             _b(single_overlap(c)), _b(single_tmap(c)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
@@ -615,7 +653,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("int* __restrict__ topk_ids", "topk_ids", "ws.topk_ids"), ("float* __restrict__ topk_w", "topk_w", "ws.topk_w"),
             ("bf16_t* act", "act", "ws.act"), ("bf16_t* act_s", "act_s", "ws.act_s"),
             ("bf16_t* __restrict__ out", "out", "out"), ("unsigned long long* tl", "tl", "ws.stl"),
-            ("u32* tact", "tact", "ws.stact"), ("u32* epoch", "epoch", "ws.sepoch"))
+            ("u32* tact", "tact", "ws.stact"), ("u32* epoch", "epoch", "ws.sepoch"),
+            ("const void* tmaps", "tmaps", "w.tmaps"))
     kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
                      f"one token in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")

@@ -122,6 +122,18 @@ class PackedWeight:
 
 
 @dataclass(frozen=True)
+class TensorMap:
+    """A TMA tensor map over a packed weight, which the runtime encodes (cuTensorMapEncodeTiled)
+    once the weight is on the device and stores in the weights' buffer "tmaps", 128 bytes each in
+    plan order: 32-bit elements, dims innermost first, strides in bytes (dims 1..), one box."""
+
+    weight: str
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Assert:
     expr: str
     why: str
@@ -158,6 +170,7 @@ class Plan:
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
     prefill_tiles: tuple[int, int, int, bool] = ()  # their GEMMs' (bm, bn, stages, ws): moegen.prefill.GemmTiles
+    tensor_maps: tuple[TensorMap, ...] = ()  # what the kernels copy weights with (the weights' buffer "tmaps")
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -297,7 +310,8 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     )
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
         plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
-                                           f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]))
+                                           f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]),
+                       tensor_maps=F.single_tensor_maps(c))
     return plan
 
 
@@ -473,4 +487,6 @@ def plan_from_dict(d: dict) -> Plan:
     d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
     d["prefill_tiles"] = tuple(d.get("prefill_tiles", ()))
+    d["tensor_maps"] = tuple(TensorMap(m["weight"], *(tuple(m[f]) for f in ("dims", "strides", "box")))
+                             for m in d.get("tensor_maps", ()))
     return Plan(**d)

@@ -164,6 +164,25 @@ def allow_smem(kernel: Any, size: int, device: Any) -> None:
         "allowing a kernel its dynamic shared memory")
 
 
+def _write_tensor_maps(plan: Plan, packed: Memory) -> None:
+    """Encode the plan's tensor maps over the packed weights and store them in the weights' buffer
+    "tmaps" (128 bytes each, in plan order), where the kernels read them."""
+    if not plan.tensor_maps:
+        return
+    drv = _driver()
+    words = np.zeros((len(plan.tensor_maps), 16), np.uint64)
+    for i, m in enumerate(plan.tensor_maps):
+        tmap = _ok(drv.cuTensorMapEncodeTiled(
+            drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32, len(m.dims), packed.ptr(m.weight),
+            [drv.cuuint64_t(v) for v in m.dims], [drv.cuuint64_t(v) for v in m.strides],
+            [drv.cuuint32_t(v) for v in m.box], [drv.cuuint32_t(1)] * len(m.dims),
+            drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+            drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"encoding the tensor map over {m.weight}")
+        words[i] = [int(w) for w in tmap.opaque]
+    _ok(drv.cuMemcpyHtoD(packed.ptr("tmaps"), words.ctypes.data, words.nbytes), "copying the tensor maps")
+
+
 class Layer:
     """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
 
@@ -226,6 +245,8 @@ class Layer:
         if "tid2eid" in raw:
             _check_hash_table(raw["tid2eid"].reshape(-1, plan.top_k), plan.experts)
         sizes.update({name: a.nbytes for name, a in raw.items()})
+        if plan.tensor_maps:
+            sizes["tmaps"] = 128 * len(plan.tensor_maps)
         packed = Memory(self.device, sizes)
         drv = _driver()
         for name, a in raw.items():
@@ -256,6 +277,7 @@ class Layer:
                 fill[head] += self._copy_in(obj, key, stage.ptr(head) + fill[head])
         for pw in on_device:
             self._pack(pw, src_ptr, packed)
+        _write_tensor_maps(self.plan, packed)
         _ok(drv.cuCtxSynchronize(), "packing weights")
         stage.close()
         if self._weights is not None:
@@ -272,6 +294,7 @@ class Layer:
             raise RuntimeError("load_weights_from: the other layer has no weights loaded")
         self.device.set_current()
         packed = other._weights.copy()
+        _write_tensor_maps(self.plan, packed)  # over this copy's weights, not the other layer's
         if self._weights is not None:
             self._weights.close()
         self._weights = packed

@@ -82,17 +82,20 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
                      "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False),
-                     "overlap": Tuning(single_overlap=True)}
+                     "overlap": Tuning(single_overlap=True), "tmap": Tuning(single_tmap=True),
+                     "overlap-tmap": Tuning(single_overlap=True, single_tmap=True)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
-    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1")]
-ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_fp8=True), "fp8-t1": Tuning(single_fp8=True, down_tiles=1)})
+    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces")]
+ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_overlap=True), "fp8-t1": Tuning(down_tiles=1),
+                          "fp8-pieces": Tuning(single_tmap=False)})
 
 
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
 def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
     group, so one bulk copy per expert; a plain launch; the route overlapped with the first
-    gate/up loads; FP8 block weights) at N = 1 against the
+    gate/up loads; one tensor copy per operand's down rows (tensor maps); FP8 block weights
+    overlapped, with one tile per group, and with a bulk copy per 512-byte piece) at N = 1 against the
     reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch

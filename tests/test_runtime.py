@@ -36,6 +36,7 @@ class FakeDriver:
         self.live: dict[int, int] = {}
         self.copies: list[tuple[str, int, int]] = []
         self.smem: dict[str, int] = {}  # kernel -> dynamic shared memory allowed
+        self.maps: list[tuple] = []  # encoded tensor maps: address, dims, strides, box
 
     @staticmethod
     def CUdevice(i: int) -> int:  # the driver's name
@@ -71,6 +72,28 @@ class FakeDriver:
 
     def cuCtxSynchronize(self) -> tuple[int]:
         return (0,)
+
+    # tensor maps: the documented limits of cuTensorMapEncodeTiled (no interleave or swizzle)
+    CUtensorMapDataType = SimpleNamespace(CU_TENSOR_MAP_DATA_TYPE_UINT32="u32")
+    CUtensorMapInterleave = SimpleNamespace(CU_TENSOR_MAP_INTERLEAVE_NONE="none")
+    CUtensorMapSwizzle = SimpleNamespace(CU_TENSOR_MAP_SWIZZLE_NONE="none")
+    CUtensorMapL2promotion = SimpleNamespace(CU_TENSOR_MAP_L2_PROMOTION_L2_256B="256B")
+    CUtensorMapFloatOOBfill = SimpleNamespace(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE="none")
+    cuuint64_t = cuuint32_t = staticmethod(int)
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle, l2, oob):
+        assert dtype == "u32" and interleave == swizzle == oob == "none" and 1 <= rank <= 5
+        assert len(dims) == len(box) == len(estrides) == rank and len(strides) == rank - 1
+        assert addr % 16 == 0 and all(0 < d <= 1 << 32 for d in dims)
+        extent = [4 * dims[0]]  # bytes spanned by dims 0..i
+        for i, st in enumerate(strides):
+            assert st % 16 == 0 and st < 1 << 40 and st >= extent[-1], f"stride {i + 1}: {st}"
+            extent.append(st * dims[i + 1])
+        assert all(0 < b <= 256 and b <= d for b, d in zip(box, dims)) and (4 * box[0]) % 16 == 0
+        assert all(e == 1 for e in estrides)
+        assert self._inside(addr, extent[-1]), "the tensor reaches past its allocation"
+        self.maps.append((addr, tuple(dims), tuple(strides), tuple(box)))
+        return 0, SimpleNamespace(opaque=[len(self.maps)] * 16)
 
     def _inside(self, ptr: int, n: int) -> bool:
         return any(base <= ptr and ptr + n <= base + size for base, size in self.live.items())
@@ -204,15 +227,16 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
 def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda):
     """The N = 1 bucket of a BF16 layer whose 16 down rows per chosen expert fit in a block's
     shared memory is one kernel, launched cooperatively on one block per multiprocessor of the
-    device, with its shared memory allowed at load; other layers (and the tuning single=False,
-    and batch_invariant specs: one reduction order for every N) keep the three kernels."""
+    device, with its shared memory allowed at load; other layers (and the tunings single=False
+    and, for an FP8 layer, single_fp8=False, and batch_invariant specs: one reduction order for
+    every N) keep the three kernels."""
     drv, rec = fake_cuda
     qwen = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
     (ln,) = make_plan(qwen).buckets[0].launches
     assert make_plan(qwen).kernel(ln.kernel).family == "single" and ln.grid == ("sms", 1) and ln.coop
     assert 192 * 1024 < ln.smem <= 227 * 1024  # 8 experts x 16 rows x 768 of down, and the activations
     for spec, tuning in ((qwen, Tuning(single=False)), (load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml"), None),
-                         (load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml"), None),
+                         (load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml"), Tuning(single_fp8=False)),
                          (parse_spec({**qwen.model_dump(mode="json", exclude_none=True), "batch_invariant": True},
                                      check_generated=False), None)):
         p = make_plan(spec, tuning=tuning)
@@ -229,7 +253,8 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     assert kernel == ln.kernel and config.grid == (132, 1) and config.is_cooperative
     assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
     assert all(int(a) != 0 for a, key in zip(args, plan.kernel(kernel).arg_keys)
-               if key not in ("w.corr_bias", "w.router_bias", "w.s13", "w.ss13", "w.s2", "w.ss2"))  # BF16: no scales
+               if key not in ("w.corr_bias", "w.router_bias", "w.s13", "w.ss13", "w.s2", "w.ss2",  # BF16: no scales
+                              "w.tmaps"))  # single_tmap off: no tensor maps
 
 
 def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fake_cuda):
@@ -244,16 +269,69 @@ def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fa
     for name, tags, ov in (("qwen3-30b-a3b", True, False), ("qwen3-next-80b-a3b", True, False),
                            ("qwen3-30b-a3b", False, False), ("qwen3-next-80b-a3b", True, True)):
         spec = load_spec(ROOT / "specs" / f"{name}.yaml")
-        plan = make_plan(spec, tuning=Tuning(single_tags=tags, single_overlap=ov))
+        plan = make_plan(spec, tuning=Tuning(single_tags=tags, single_overlap=ov, single_tmap=True))
         (ln,) = plan.buckets[0].launches
         k = plan.kernel(ln.kernel)
-        assert k.name.endswith("_barriers_sm_90a") != tags and k.name.endswith("_ov_sm_90a") == ov
-        assert k.arg_keys[-3:] == ("ws.stl", "ws.stact", "ws.sepoch")
+        assert ("_barriers_" in k.name) != tags and ("_ov_" in k.name) == ov and "_tmap_" in k.name
+        assert k.arg_keys[-4:] == ("ws.stl", "ws.stact", "ws.sepoch", "w.tmaps")
         res = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch).resources[k.name]
         assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
         assert ln.smem + res.smem_bytes <= 227 * 1024
-    for tuning in (Tuning(single_tags=False), Tuning(single_overlap=True)):
+    for tuning in (Tuning(single_tags=False), Tuning(single_overlap=True, single_tmap=True)):
         _check_pointers(fake_cuda, dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"], tuning=tuning))
+
+
+def _box(words: np.ndarray, m: Any, coords: tuple[int, ...]) -> np.ndarray:
+    """What a TMA copy of map m's box at `coords` reads from `words` (32-bit elements): the box's
+    elements, innermost dimension fastest, each at sum((coord + i) * stride) bytes."""
+    offsets = np.zeros((), np.int64)
+    for d in reversed(range(len(m.dims))):  # outermost first: the box is stored in that order
+        step = 4 if d == 0 else m.strides[d - 1]
+        offsets = offsets[..., None] + (coords[d] + np.arange(m.box[d])) * step
+    return words[offsets.reshape(-1) // 4]
+
+
+def test_one_token_tensor_maps_read_what_one_copy_per_piece_reads():
+    """The one-token kernel's tensor maps (tuning single_tmap, where a down row group packs two
+    tiles) span each packed down weight exactly, and one box at (tile mt, row group, expert) holds,
+    in order, the pieces the kernel's bulk copies take one by one (chunk c at
+    (((e * groups + group) * chunks + c) * tiles + mt) pieces): emulated with NumPy on words that
+    are their own indices."""
+    from moegen.weights import packed_nbytes
+
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "qwen3-30b-a3b-fp8"):
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+        plan = make_plan(spec, tuning=Tuning(single_tmap=True))
+        assert [m.weight for m in plan.tensor_maps] == ["w2"] + (["ws2"] if plan.shared_inter else [])
+        for m in plan.tensor_maps:
+            pw = next(w for w in plan.weights if w.name == m.weight)
+            total = packed_nbytes(pw)
+            assert m.strides[-1] * m.dims[-1] == total
+            words = np.arange(total // 4, dtype=np.int64)
+            tiles, chunks, piece = pw.mats, pw.cols // 32, 16 * 32 * (1 if pw.format == "fp8_block" else 2)
+            groups, experts = pw.rows_padded // (16 * tiles), max(pw.experts, 1)
+            for e in {0, experts - 1}:
+                for group in {0, groups - 1}:
+                    for mt in range(tiles):
+                        got = _box(words, m, (0, mt, 0, group) + ((e,) if pw.experts else ()))
+                        want = np.concatenate([words[(((e * groups + group) * chunks + c) * tiles + mt) * piece // 4:][:piece // 4]
+                                               for c in range(chunks)])
+                        assert np.array_equal(got, want), (name, m.weight, e, group, mt)
+
+
+def test_tensor_maps_are_encoded_over_each_layers_own_weights(fake_cuda):
+    """A layer's tensor maps point into its own packed weights, also when its weights are a device
+    copy of another layer's (moegen bench's stacks): encoded again over the copy."""
+    drv, _ = fake_cuda
+    spec = dict(SPECS)["shared_gate"]
+    plan = make_plan(spec, tuning=Tuning(single_tmap=True))
+    assert [m.weight for m in plan.tensor_maps] == ["w2", "ws2"]
+    first, second = _layer(plan), _layer(plan)
+    first.load_weights(_host_weights(plan))
+    second.load_weights_from(first)
+    for layer, maps in ((first, drv.maps[:2]), (second, drv.maps[2:])):
+        assert [a for a, *_ in maps] == [layer._weights.ptr("w2"), layer._weights.ptr("ws2")]
+    assert len(drv.maps) == 4
 
 
 def test_layer_in_parts_takes_each_kernel_from_its_part(fake_cuda, monkeypatch):
@@ -271,16 +349,17 @@ def test_layer_in_parts_takes_each_kernel_from_its_part(fake_cuda, monkeypatch):
 
 
 def test_one_token_kernel_for_fp8_block_weights_compiles_and_launches(fake_cuda):
-    """With the tuning single_fp8 (not yet run on a GPU, so not the analytic plan's) the one-token
-    bucket of an FP8 block layer is the one-token kernel on e4m3 codes and block scales: it
-    compiles without spills, fits its shared memory (512-byte down pieces), and gets every
-    scale; a synthetic FP8 layer with a shared expert launches it completely."""
+    """The one-token bucket of an FP8 block layer is the one-token kernel on e4m3 codes and block
+    scales (the tuning single_fp8 false: four launches): it compiles without spills, fits its shared
+    memory (512-byte down pieces), and gets every scale; a synthetic FP8 layer with a shared
+    expert launches it completely."""
     from moegen.build import render_all
     from moegen.nvrtc import compile_cuda
 
     spec = load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml")
-    assert make_plan(spec).kernel(make_plan(spec).buckets[0].launches[0].kernel).family != "single"
-    plan = make_plan(spec, tuning=Tuning(single_fp8=True))
+    off = make_plan(spec, tuning=Tuning(single_fp8=False))
+    assert off.kernel(off.buckets[0].launches[0].kernel).family != "single"
+    plan = make_plan(spec)
     (ln,) = plan.buckets[0].launches
     k = plan.kernel(ln.kernel)
     assert k.family == "single" and k.name.endswith("_fp8_block_sm_90a")
@@ -289,7 +368,7 @@ def test_one_token_kernel_for_fp8_block_weights_compiles_and_launches(fake_cuda)
     assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
     assert ln.smem + res.smem_bytes <= 227 * 1024
     small = dict(SPECS)["fp8"]
-    splan = make_plan(small, tuning=Tuning(single_fp8=True))
+    splan = make_plan(small)
     assert splan.kernel(splan.buckets[0].launches[0].kernel).family == "single"
     _check_pointers(fake_cuda, small, splan)
 
@@ -444,7 +523,8 @@ def test_fp8_tensor_scales_must_be_positive(fake_cuda):
 
 def test_weights_copied_from_another_layer(fake_cuda):
     """load_weights_from: one device-to-device copy of the other layer's packed weights into an
-    allocation of this layer's own, the same offsets; refused across plans or without weights."""
+    allocation of this layer's own, the same offsets (then the tensor maps over the copy, where
+    the plan has them); refused across plans or without weights."""
     drv, _ = fake_cuda
     plan = make_plan(SPECS[0][1])
     a, b = _layer(plan), _layer(plan)
@@ -453,7 +533,8 @@ def test_weights_copied_from_another_layer(fake_cuda):
     a.load_weights(_host_weights(plan))
     drv.copies.clear()
     b.load_weights_from(a)
-    assert drv.copies == [("dtod", b._weights.base, a._weights.size)]
+    maps = [("htod", b._weights.ptr("tmaps"), 128 * len(plan.tensor_maps))] if plan.tensor_maps else []
+    assert drv.copies == [("dtod", b._weights.base, a._weights.size)] + maps
     assert b._weights.base != a._weights.base and b._weights.offsets == a._weights.offsets
     other = _layer(make_plan(SPECS[1][1]))
     with pytest.raises(ValueError, match="another plan"):

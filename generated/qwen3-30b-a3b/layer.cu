@@ -1390,6 +1390,16 @@ MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// A tensor copy global -> shared of one box of a tensor map (in global memory, 128 bytes), at
+// coordinates c (innermost first), completing its bytes on the mbarrier.
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
 MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -1568,7 +1578,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
 // Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -1577,7 +1587,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                             const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
                             const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
                             int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
-                            bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
+                            bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch,
+                            const void* tmaps) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
   constexpr int PIECES = K * KCD + KCDS;          // pieces: 16 rows x 32 K of one chunk (BF16 1 KB, FP8 512 bytes)
@@ -1625,7 +1636,20 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (warp == 0) {
       if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
       __syncwarp();
-      if (TPB == 1) {
+      if (TMAP) {  // one tensor copy per operand: tile r16 % TPB of row group r16 / TPB, every chunk
+        const int group = r16 / TPB, mt = r16 % TPB;
+        if (lane < (KCDS > 0 ? 2 : 1))  // the maps (written before the launch) as the tensor copies see them
+          asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                       ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
+        __syncwarp();
+        if (lane < K) {
+          tensor_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4), tmaps, 0, mt, 0, group, s_ids[lane],
+                      bar + 8 * lane);
+        } else if (KCDS > 0 && lane == K) {
+          tensor_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * PU4), static_cast<const char*>(tmaps) + 128, 0, mt,
+                      0, group, bar + 8 * K);
+        }
+      } else if (TPB == 1) {
         if (lane < K) {
           bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4),
                     w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * PU4, KCD * PU4 * 16, bar + 8 * lane);
@@ -1921,25 +1945,35 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         __syncthreads();
       }
     }
-#pragma unroll 1
-    for (int s = 0; s < DSLOTS; ++s) {
+    // operand s's pieces of this warp (once they have landed) and their activations; the next
+    // operand's are loaded before this one's products (shared memory's bandwidth is what bounds
+    // this phase: the loads of one operand overlap the products of the last)
+    uint4 a[CWM][AF], b[CWM];
+    auto fetch = [&](int s, uint4 (&fa)[CWM][AF], uint4 (&fb)[CWM]) {
       const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
-      uint4 b[CWM];  // the activations of this warp's pieces (the shared expert's follow the K experts')
+      mbar_wait(bar + 8 * s, parity);  // operand s's pieces (the products of the first overlap the last copies)
 #pragma unroll
       for (int i = 0; i < CWM; ++i) {
         const int c = c0 + i * WARPS;
-        b[i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        fb[i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int f = 0; f < AF; ++f) fa[i][f] = c < kcd ? pieces[(base + c) * PU4 + lane + 32 * f] : make_uint4(0, 0, 0, 0);
       }
-      mbar_wait(bar + 8 * s, parity);  // operand s's pieces (the products of the first overlap the last copies)
+    };
+    fetch(0, a, b);
+#pragma unroll 1
+    for (int s = 0; s < DSLOTS; ++s) {
+      uint4 na[CWM][AF], nb[CWM];
+      if (s + 1 < DSLOTS) fetch(s + 1, na, nb);
+      const int kcd = s < K ? KCD : KCDS, c0 = ((warp - s * KCD) % WARPS + WARPS) % WARPS;
       float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < CWM; ++i) {
         const int c = c0 + i * WARPS;
         if (c < kcd) {
-          const uint4* pc = pieces + (base + c) * PU4 + lane;
           if (FP8) {
             uint4 k0, k1;
-            e4m3x16_to_bf16(pc[0], k0, k1);
+            e4m3x16_to_bf16(a[i][0], k0, k1);
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_bf16(tmp, k0, b[i].x, b[i].y);
             mma_bf16(tmp, k1, b[i].z, b[i].w);
@@ -1947,14 +1981,20 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
             for (int r = 0; r < 4; ++r) o[r] = fmaf(sc, tmp[r], o[r]);
           } else {
-            mma_bf16(o, pc[0], b[i].x, b[i].y);
-            mma_bf16(o, pc[32], b[i].z, b[i].w);
+            mma_bf16(o, a[i][0], b[i].x, b[i].y);
+            mma_bf16(o, a[i][AF - 1], b[i].z, b[i].w);
           }
         }
       }
       if (t == 0) {
         red[(warp * DSLOTS + s) * 16 + g] = o[0];
         red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
+      }
+#pragma unroll
+      for (int i = 0; i < CWM; ++i) {
+        b[i] = nb[i];
+#pragma unroll
+        for (int f = 0; f < AF; ++f) a[i][f] = na[i][f];
       }
     }
     parity ^= 1;
@@ -2407,8 +2447,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 #endif
 // one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true, MOE_W_BF16, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true, MOE_W_BF16, false, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
