@@ -126,9 +126,9 @@ class Tuning:
     # Qwen3-30B-A3B-FP8 at N = 1 22.4-22.8 us against 26.5 in four launches (H200)
     single_fp8: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
-    # 0's route has chosen its expert, while it chooses the rest (named barriers): correct against
-    # the reference and 0.6-0.7 us faster on the H200, but compute-sanitizer racecheck reports
-    # hazards for it (not yet traced to its accesses), so off in the analytic plan
+    # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
+    # the reference on the H200, 0-0.7 us faster there, but compute-sanitizer racecheck reports one
+    # hazard for it (see the README), so off in the analytic plan
     single_overlap: bool = False
     # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
     # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor

@@ -98,6 +98,10 @@ MOE_DEVICE void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
 MOE_DEVICE void mbar_init(u32 addr, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
 }
+// One arrival (release: this thread's writes before it are seen by the waiters).
+MOE_DEVICE void mbar_arrive(u32 addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
 // The barrier's phase of this parity has completed (a spin on try_wait, which suspends a while).
 MOE_DEVICE void mbar_wait(u32 addr, u32 parity) {
   asm volatile(

@@ -98,6 +98,10 @@ MOE_DEVICE void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
 MOE_DEVICE void mbar_init(u32 addr, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
 }
+// One arrival (release: this thread's writes before it are seen by the waiters).
+MOE_DEVICE void mbar_arrive(u32 addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
 // The barrier's phase of this parity has completed (a spin on try_wait, which suspends a while).
 MOE_DEVICE void mbar_wait(u32 addr, u32 parity) {
   asm volatile(
@@ -1429,11 +1433,12 @@ MOE_DEVICE uint4 ld_tagged4(const u32* p) {
 // looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
 // L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
 // ids, w, gate (shared memory).
-// OVERLAP_THREADS > 0: once the first `need` choices are in ids, warp 0 arrives at named barrier 1
-// of that many threads (the other warps, waiting there, start streaming their first unit).
-template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, int OVERLAP_THREADS = 0>
+// OVERLAP: once the first `need` choices are in ids, lane 0 arrives on the mbarrier `first` (the
+// other warps, waiting on it, start streaming their first unit).
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP = false>
 MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
-                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0) {
+                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0,
+                          u32 first = 0) {
   constexpr int EPL = (E + 31) / 32;
   __shared__ float s_pick[K];
   const int lane = threadIdx.x & 31;
@@ -1525,7 +1530,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     li = bi[0];
   };
   best();
-  if (OVERLAP_THREADS > 0 && need == 0) asm volatile("bar.arrive 1, %0;" ::"n"(OVERLAP_THREADS) : "memory");
+  if (OVERLAP && need == 0 && lane == 0) mbar_arrive(first);
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
     const u32 key = order_key(lv);
@@ -1539,9 +1544,9 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         if (i == li) sel[i] = MOE_NEG_INF;
       best();
     }
-    if (OVERLAP_THREADS > 0 && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
+    if (OVERLAP && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
       __syncwarp();
-      asm volatile("bar.arrive 1, %0;" ::"n"(OVERLAP_THREADS) : "memory");
+      if (lane == 0) mbar_arrive(first);
     }
   }
   __syncwarp();
@@ -1573,8 +1578,8 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
 // row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
 // (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
 // grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): the other warps start
-// streaming this block's first gate/up unit as soon as warp 0's route has chosen its expert (named
-// barrier 1), and go past their first unit's loads once the route is whole (named barrier 2).
+// streaming this block's first gate/up unit as soon as warp 0's route has chosen its expert (an
+// mbarrier, route_mem[0]), and go past their first unit's loads once the route is whole (route_mem[1]).
 // Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
@@ -1613,6 +1618,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
+  // OVERLAP: mbarriers of the route, one arrival each: the block's first unit's choice, every choice
+  __shared__ __align__(8) unsigned long long route_mem[2];
   // TAGS: the partial logits (route), then the activations (down), staged here
   constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
   __shared__ __align__(16) unsigned char s_stage[STAGE];
@@ -1628,6 +1635,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
+    if (OVERLAP) {
+      mbar_init((u32)__cvta_generic_to_shared(route_mem), 1);
+      mbar_init((u32)__cvta_generic_to_shared(route_mem + 1), 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows r16 of down: request every piece (slot order, then chunks); with
@@ -1772,8 +1783,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
-                OVERLAP ? THREADS : 0>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need);
-      if (OVERLAP) asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");  // every choice and weight written
+                OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need,
+                         (u32)__cvta_generic_to_shared(route_mem));
+      if (OVERLAP) {  // every choice and weight written
+        __syncwarp();
+        if (lane == 0) mbar_arrive((u32)__cvta_generic_to_shared(route_mem + 1));
+      }
     }
   } else {
     static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
@@ -1782,7 +1797,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
   if (OVERLAP) {  // warps 1..: this block's first unit's choice is written
-    if (warp != 0) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    if (warp != 0) mbar_wait((u32)__cvta_generic_to_shared(route_mem), 0);
   } else {
     __syncthreads();
   }
@@ -1829,7 +1844,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
     for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
     // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
-    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
+    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait((u32)__cvta_generic_to_shared(route_mem + 1), 0);
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -1892,7 +1907,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
+  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait((u32)__cvta_generic_to_shared(route_mem + 1), 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
