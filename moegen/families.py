@@ -127,8 +127,9 @@ class Tuning:
     single_fp8: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
     # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
-    # the reference on the H200, 0-0.7 us faster there, but compute-sanitizer racecheck reports one
-    # hazard for it (see the README), so off in the analytic plan
+    # the reference on the H200, 0-0.7 us faster there, but compute-sanitizer racecheck reported one
+    # hazard with lane 0 arriving alone (see the README); every lane of warp 0 arriving is not yet
+    # run on a GPU, so off in the analytic plan
     single_overlap: bool = False
     # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
     # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor

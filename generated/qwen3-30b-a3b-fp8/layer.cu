@@ -1433,8 +1433,9 @@ MOE_DEVICE uint4 ld_tagged4(const u32* p) {
 // looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
 // L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
 // ids, w, gate (shared memory).
-// OVERLAP: once the first `need` choices are in ids, lane 0 arrives on the mbarrier `first` (the
-// other warps, waiting on it, start streaming their first unit).
+// OVERLAP: once the first `need` choices are in ids, every lane arrives on the mbarrier `first` (the
+// other warps, waiting on it, start streaming their first unit; each lane's arrival releases its
+// own writes of choices).
 template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP = false>
 MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
                           const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0,
@@ -1530,7 +1531,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     li = bi[0];
   };
   best();
-  if (OVERLAP && need == 0 && lane == 0) mbar_arrive(first);
+  if (OVERLAP && need == 0) mbar_arrive(first);
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
     const u32 key = order_key(lv);
@@ -1546,7 +1547,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     }
     if (OVERLAP && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
       __syncwarp();
-      if (lane == 0) mbar_arrive(first);
+      mbar_arrive(first);
     }
   }
   __syncwarp();
@@ -1618,7 +1619,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
-  // OVERLAP: mbarriers of the route, one arrival each: the block's first unit's choice, every choice
+  // OVERLAP: mbarriers of the route, warp 0's 32 lanes arriving on each: the block's first unit's
+  // choice, every choice
   __shared__ __align__(8) unsigned long long route_mem[2];
   // TAGS: the partial logits (route), then the activations (down), staged here
   constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
@@ -1636,8 +1638,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
     if (OVERLAP) {
-      mbar_init((u32)__cvta_generic_to_shared(route_mem), 1);
-      mbar_init((u32)__cvta_generic_to_shared(route_mem + 1), 1);
+      mbar_init((u32)__cvta_generic_to_shared(route_mem), 32);
+      mbar_init((u32)__cvta_generic_to_shared(route_mem + 1), 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1787,7 +1789,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                          (u32)__cvta_generic_to_shared(route_mem));
       if (OVERLAP) {  // every choice and weight written
         __syncwarp();
-        if (lane == 0) mbar_arrive((u32)__cvta_generic_to_shared(route_mem + 1));
+        mbar_arrive((u32)__cvta_generic_to_shared(route_mem + 1));
       }
     }
   } else {
