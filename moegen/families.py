@@ -570,8 +570,13 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
         static += 4 * dslots * -(-max(c.i, c.si) // 128)
-    smem = pieces * (512 if c.kf_e == "fp8_block" else 1024) + red
+    smem = pieces * _single_piece(c) + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
+
+
+def _single_piece(c: Layer) -> int:
+    """Bytes of one down piece of the one-token kernel: 16 rows x 32 K, BF16 or FP8 codes."""
+    return 512 if c.kf_e == "fp8_block" else 1024
 
 
 def single_ksplit(c: Layer) -> int:
@@ -615,7 +620,7 @@ def single_tensor_maps(c: Layer) -> tuple:
 
     if not single_tmap(c):
         return ()
-    piece = 512 if c.kf_e == "fp8_block" else 1024  # bytes of 16 rows x 32 K
+    piece = _single_piece(c)
     t, groups = c.tune.down_tiles, c.h // (16 * c.tune.down_tiles)
 
     def tmap(weight: str, kcd: int, experts: int) -> TensorMap:

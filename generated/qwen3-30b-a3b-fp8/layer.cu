@@ -1635,11 +1635,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   __shared__ u32 s_ep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
+  const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: the first unit's choice; + 8: every choice
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
     if (OVERLAP) {
-      mbar_init((u32)__cvta_generic_to_shared(route_mem), 32);
-      mbar_init((u32)__cvta_generic_to_shared(route_mem + 1), 32);
+      mbar_init(rbar, 32);
+      mbar_init(rbar + 8, 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1786,10 +1787,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need,
-                         (u32)__cvta_generic_to_shared(route_mem));
+                         rbar);
       if (OVERLAP) {  // every choice and weight written
         __syncwarp();
-        mbar_arrive((u32)__cvta_generic_to_shared(route_mem + 1));
+        mbar_arrive(rbar + 8);
       }
     }
   } else {
@@ -1799,7 +1800,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
   if (OVERLAP) {  // warps 1..: this block's first unit's choice is written
-    if (warp != 0) mbar_wait((u32)__cvta_generic_to_shared(route_mem), 0);
+    if (warp != 0) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
   }
@@ -1846,7 +1847,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
     for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
     // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
-    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait((u32)__cvta_generic_to_shared(route_mem + 1), 0);
+    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -1909,14 +1910,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait((u32)__cvta_generic_to_shared(route_mem + 1), 0);
+  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
   // ... of each operand's run (p = s * KCD + c). The activations are staged in shared memory by
   // the whole block: (TAGS) loaded until every one carries this call's epoch, or copied from L2
-  // (other blocks wrote them, before the barrier). The operands are a loop, not unrolled: this
-  // code runs once per call, and its instructions come from L2 the first time.
+  // (other blocks wrote them, before the barrier). The operands are a loop, each operand's pieces
+  // loaded before the last one's products (below).
   if ((int)blockIdx.x < H / 16) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
     if (TAGS) {
