@@ -566,6 +566,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     pieces = c.k * (c.i // 32) + c.si // 32
     red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
+    static += 12 * c.e + 256  # route_block's candidates and group maxima
     # the activations staged for down; with tagged words, the logits before them in the same space
     static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
@@ -606,9 +607,10 @@ def single_overlap(c: Layer) -> bool:
 
 def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
-    copy (tuning single_tmap): where they are pieces apart (down_tiles > 1)."""
-    on = c.kf_e == "fp8_block" if c.tune.single_tmap is None else c.tune.single_tmap
-    return on and c.tune.down_tiles > 1
+    copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
+    bulk copy a piece holds the issuing warp (and, with it, the block's per-unit barriers of
+    gate/up) until most of the pieces are in flight."""
+    return c.tune.single_tmap is not False and c.tune.down_tiles > 1
 
 
 def single_tensor_maps(c: Layer) -> tuple:

@@ -7,8 +7,10 @@ replayed. No framework is imported: arrays come in through DLPack / the CUDA Arr
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -183,27 +185,52 @@ def _write_tensor_maps(plan: Plan, packed: Memory) -> None:
     _ok(drv.cuMemcpyHtoD(packed.ptr("tmaps"), words.ctypes.data, words.nbytes), "copying the tensor maps")
 
 
-class Layer:
-    """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
+class _Code:
+    """The loaded modules of one compiled layer on one device, and its kernels (their shared
+    memory allowance set). Layers of the same generated output share one (_code): a model's many
+    layers run one copy of the code, which stays in the caches from one layer to the next."""
 
-    def __init__(self, plan: Plan, cubins: bytes | Sequence[bytes], kernel_names: list[str], device: Any = None) -> None:
-        from cuda.core import Device, ObjectCode
+    def __init__(self, plan: Plan, cubins: Sequence[bytes], kernel_names: list[str], device: Any) -> None:
+        from cuda.core import ObjectCode
 
-        self.plan = plan
-        self.device = device if device is not None else Device()
-        self.device.set_current()
-        self.device_id = int(self.device.device_id)
         # one module per compiled part (moegen.plan.Kernel.part), or one for the whole source
-        modules = [ObjectCode.from_cubin(c) for c in ((cubins,) if isinstance(cubins, bytes) else cubins)]
-        part = {k.name: k.part if len(modules) > 1 else 0 for k in plan.kernels}
-        self._kernels = {name: modules[part[name]].get_kernel(name) for name in kernel_names}
+        self.modules = [ObjectCode.from_cubin(c) for c in cubins]
+        part = {k.name: k.part if len(self.modules) > 1 else 0 for k in plan.kernels}
+        self.kernels = {name: self.modules[part[name]].get_kernel(name) for name in kernel_names}
         smem: dict[str, int] = {}
         for b in plan.buckets:
             for ln in b.launches:
                 smem[ln.kernel] = max(smem.get(ln.kernel, 0), ln.smem)
         for name, size in smem.items():
             if size > STATIC_SMEM_LIMIT:
-                allow_smem(self._kernels[name], size, self.device)
+                allow_smem(self.kernels[name], size, device)
+
+
+_CODE: weakref.WeakValueDictionary[tuple, _Code] = weakref.WeakValueDictionary()
+
+
+def _code(plan: Plan, cubins: Sequence[bytes], kernel_names: list[str], device: Any) -> _Code:
+    """The loaded code of these cubins on this device: loaded once while any layer holds it."""
+    key = (int(device.device_id), tuple(hashlib.sha256(c).digest() for c in cubins), tuple(kernel_names),
+           tuple(ln.smem for b in plan.buckets for ln in b.launches))
+    code = _CODE.get(key)
+    if code is None:
+        code = _CODE[key] = _Code(plan, cubins, kernel_names, device)
+    return code
+
+
+class Layer:
+    """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
+
+    def __init__(self, plan: Plan, cubins: bytes | Sequence[bytes], kernel_names: list[str], device: Any = None) -> None:
+        from cuda.core import Device
+
+        self.plan = plan
+        self.device = device if device is not None else Device()
+        self.device.set_current()
+        self.device_id = int(self.device.device_id)
+        self._code = _code(plan, (cubins,) if isinstance(cubins, bytes) else tuple(cubins), kernel_names, self.device)
+        self._kernels = self._code.kernels
         sizes = {b.name: int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in plan.workspace}
         self.workspace = Memory(self.device, sizes)
         # Counters (tile_done) start at zero and the kernels leave them at zero.

@@ -82,8 +82,8 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
                      "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False),
-                     "overlap": Tuning(single_overlap=True), "tmap": Tuning(single_tmap=True),
-                     "overlap-tmap": Tuning(single_overlap=True, single_tmap=True)}
+                     "overlap": Tuning(single_overlap=True), "pieces": Tuning(single_tmap=False),
+                     "overlap-pieces": Tuning(single_overlap=True, single_tmap=False)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
     ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces")]
 ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_overlap=True), "fp8-t1": Tuning(down_tiles=1),
@@ -94,8 +94,9 @@ ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_overlap=True), "fp8-t1": Tuning(d
 def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
     group, so one bulk copy per expert; a plain launch; the route overlapped with the first
-    gate/up loads; one tensor copy per operand's down rows (tensor maps); FP8 block weights
-    overlapped, with one tile per group, and with a bulk copy per 512-byte piece) at N = 1 against the
+    gate/up loads (warp 0's route); one bulk copy per piece of down rows instead of a tensor copy
+    per operand; FP8 block weights overlapped, with one tile per group, and with a bulk copy per
+    512-byte piece) at N = 1 against the
     reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch
@@ -111,6 +112,42 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
         x = torch.randn(1, plan.hidden, device="cuda", dtype=torch.bfloat16)
         a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+    finally:
+        layer.close()
+
+
+@pytest.mark.parametrize("name,distinct", [(n, d) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for d in (1, 5, 16)])
+def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, tmp_path):
+    """Router rows repeated (expert e's row is expert e % distinct's): equal logits exactly, in the
+    kernel as in the reference, so the choices are decided by ties alone (the lower expert first,
+    the reference's rule): at N = 1 the one-token kernel's choices equal the reference's in
+    order, and the output matches the reference on them. With one distinct row every expert
+    ties."""
+    import torch
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    e = plan.experts
+    rows = torch.arange(e, device="cuda") % distinct
+    dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
+    host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        for _ in range(3):
+            x = torch.randn(1, plan.hidden, device="cuda", dtype=torch.bfloat16)
+            out = torch.full_like(x, float("nan"))
+            layer(x, out=out, stream=torch.cuda.current_stream())
+            ids, w = layer.routing(1)
+            xh = _host(x)
+            r = reference.route(spec, xh, host)
+            assert (ids == r.ids).all(), f"{name}: choices {ids[0].tolist()}, the reference's {r.ids[0].tolist()}"
+            rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64))
+            assert np.allclose(w, rw, rtol=1e-4, atol=1e-6), f"{name}: routing weights differ"
+            _check_rows(_host(out).astype(np.float64), reference.moe_forward(spec, xh, host, ids=ids.astype(np.int64)),
+                        f"{name} ties of {distinct} rows")
     finally:
         layer.close()
 

@@ -43,7 +43,7 @@ class FakeDriver:
         return i
 
     def cuKernelSetAttribute(self, attr: str, value: int, kernel: str, dev: int) -> tuple[int]:
-        assert attr == "max_dynamic_smem" and dev == 0
+        assert attr == "max_dynamic_smem" and dev in (0, 1)  # the tests' devices
         self.smem[kernel] = value
         return (0,)
 
@@ -224,6 +224,30 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
                 assert drv.smem[kernel] >= ln.smem, f"{kernel}: {ln.smem} bytes of shared memory not allowed"
 
 
+def test_layers_of_one_compiled_output_share_their_loaded_code(fake_cuda):
+    """Two layers of the same cubins on one device share the loaded modules and kernels (one copy
+    of the code for a model's layers), asking for the shared memory allowance once; other cubins,
+    or the same on another device, get their own; the code is released with its last layer."""
+    drv, _ = fake_cuda
+    plan = make_plan(dict(SPECS)["shared_gate"])
+    names = [k.name for k in plan.kernels]
+
+    def layer(cubin: bytes, device_id: int = 0) -> runtime.Layer:
+        device = SimpleNamespace(device_id=device_id, set_current=lambda: None,
+                                 properties=SimpleNamespace(multiprocessor_count=132))
+        return runtime.Layer(plan, cubin, names, device=device)
+
+    a = layer(b"code one")
+    asked = dict(drv.smem)
+    b = layer(b"code one")
+    assert b._kernels is a._kernels and b._code is a._code and drv.smem == asked
+    c, d = layer(b"code two"), layer(b"code one", device_id=1)
+    assert c._code is not a._code and d._code is not a._code
+    key = next(k for k, v in runtime._CODE.items() if v is a._code)
+    del a, b
+    assert key not in runtime._CODE
+
+
 def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda):
     """The N = 1 bucket of a BF16 layer whose 16 down rows per chosen expert fit in a block's
     shared memory is one kernel, launched cooperatively on one block per multiprocessor of the
@@ -254,7 +278,7 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
     assert all(int(a) != 0 for a, key in zip(args, plan.kernel(kernel).arg_keys)
                if key not in ("w.corr_bias", "w.router_bias", "w.s13", "w.ss13", "w.s2", "w.ss2",  # BF16: no scales
-                              "w.tmaps"))  # single_tmap off: no tensor maps
+                              "w.tmaps"))
 
 
 def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fake_cuda):

@@ -1341,17 +1341,21 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // first memory round trip and its drain are exposed. This kernel runs the whole layer in one
 // grid of one block per multiprocessor, all resident (a cooperative launch):
 //
-//   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global;
+//   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
+//      shared expert's weights asked for into L2 meanwhile (they do not depend on the route);
 //   -- every block waits for all of them --
-//   2. every block routes the token itself (into its shared memory), then asks the copy engine
-//      (cp.async.bulk) for its whole share of the down weights (its 16 output rows of every
-//      chosen expert, and of the shared expert), which stream into shared memory while it
-//      computes gate/up: the memory is never idle between gate/up and down;
+//   2. every block routes the token itself (into its shared memory; with route_one's rules the
+//      whole block at once, route_block), then asks the copy engine for its whole share of the
+//      down weights (its 16 output rows of every chosen expert, and of the shared expert: one
+//      tensor copy per operand, or one bulk copy per piece or per operand), which stream into
+//      shared memory while it computes gate/up: the memory is never idle between gate/up and
+//      down;
 //   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
 //      chunks of weights in flight in registers; activations to global;
 //   -- every block waits for all of them --
-//   4. down: the block's rows of every expert from shared memory, the activations from L2,
-//      the partial sums added in warp order, then the choices in choice order: out, in bf16.
+//   4. down: the block's rows of every expert from shared memory, the activations from L2, all
+//      of a warp's products issued together; the partial sums added in warp order, then the
+//      choices in choice order: out, in bf16.
 //
 // The two waits are grid barriers (one word, ws.gbar, whose top bit flips at each barrier), or
 // with TAGS none: each partial logit and each activation is written with the call's epoch in
@@ -1422,6 +1426,31 @@ MOE_DEVICE uint4 ld_tagged4(const u32* p) {
   asm volatile("ld.relaxed.gpu.global.v4.b32 { %0, %1, %2, %3 }, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
+}
+
+// The choices' weights, by one warp, from their scores (pick, in choice order): route_one's and
+// route_block's rules. all: (LOGIT_ORDER without RENORM) the sum over every expert of exp(l - the
+// largest l).
+template <int K, class R>
+MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  const int lane = threadIdx.x & 31;
+  const float my_v = lane < K ? pick[lane] : 0.0f;
+  float w = my_v;
+  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / (R::RENORM ? warp_sum(w) : all);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / warp_sum(w);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    w = 1.0f / (1.0f + expf(-my_v));
+  }
+  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
+  w *= R::SCALE;
+  if (lane < K) w_out[lane] = w;
 }
 
 // The route of the one token, by warp 0, for the rules without expert groups, hash tables,
@@ -1551,28 +1580,126 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     }
   }
   __syncwarp();
-  const float my_v = lane < K ? s_pick[lane] : 0.0f;
-  float w = my_v;
-  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
-    const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
-    float all = 0.0f;
-    if (!R::RENORM) {
+  float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
+  if (LOGIT_ORDER && !R::RENORM) {
+    const float top = s_pick[0];  // the first choice: the largest logit
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
-    }
-    w = lane < K ? expf(my_v - top) : 0.0f;
-    w = w / warp_sum(R::RENORM ? w : all);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
-    const float top = __shfl_sync(0xffffffffu, my_v, 0);
-    w = lane < K ? expf(my_v - top) : 0.0f;
-    w = w / warp_sum(w);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
-    w = 1.0f / (1.0f + expf(-my_v));
+    for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    all = warp_sum(all);
   }
-  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
-  w *= R::SCALE;
-  if (lane < K) w_out[lane] = w;
+  route_weights<K, R>(s_pick, all, w_out);
   if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
+}
+
+// Whether route_block takes a rule: every expert's selection value a function of its own logit
+// (not a softmax over all experts ahead of a correction bias), one expert per thread, at most 16
+// choices.
+template <int E, int K, class R, int THREADS>
+struct RouteBlockFits {
+  static constexpr bool value = !(!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && R::CORR_BIAS) && E <= THREADS &&
+                                K <= 16 && E >= K;
+};
+
+// The route of the one token by the whole block (route_one's rules where RouteBlockFits): the
+// same choices, in the same order, into ids; their scores into pick, and what their weights need
+// (all, the shared gate's logit gl) for route_block_weights, which runs later, off the path to
+// the first expert byte. Thread e holds expert e's selection value as an order key. NG <= 32
+// groups of G experts (G the smallest power of two that makes so few; NG >= K) take their
+// largest key; the K-th largest group maximum T bounds the K-th largest key from below (K groups
+// each hold a key >= T), so the choices are among the keys >= T: about K of them, the finer the
+// groups the fewer. Every warp finds T from the group maxima itself; the candidates are gathered
+// (in any order) and each is ranked by counting the candidates before it (a larger key, or an
+// equal key and a lower expert: one 64-bit comparison of key and inverted expert): a rank below K
+// is its choice slot. Three block barriers instead of K serial rounds of one warp. The partial
+// logits: part p at logits + p * PSTRIDE (shared memory).
+template <int E, int K, int KSPLIT, int PSTRIDE, bool SHARED_GATE, class R, int THREADS>
+MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_bias,
+                            const float* __restrict__ router_bias, int* ids, float* pick, float* all, float* gl) {
+  constexpr int G = E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= 256 ? 8 : 16;
+  constexpr int NG = (E + G - 1) / G, WARPS = THREADS / 32;
+  static_assert(RouteBlockFits<E, K, R, THREADS>::value && NG >= K && NG <= 32, "route_block's rules");
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  __shared__ __align__(16) u32 s_gmax[(NG + 3) / 4 * 4];
+  __shared__ int s_cnt;
+  __shared__ unsigned long long s_ck[E];  // the candidates: key << 32 | ~expert, score
+  __shared__ float s_cv[E];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float v = MOE_NEG_INF;
+  u32 key = 0;  // below every expert's
+  if (tid < E) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + tid];
+    if (R::ROUTER_BIAS) s += router_bias[tid];
+    if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) s = 1.0f / (1.0f + expf(-s));
+    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) s = sqrtf(softplus(s));
+    v = s;
+    key = order_key(s + (R::CORR_BIAS ? corr_bias[tid] : 0.0f));
+  }
+  if (SHARED_GATE && tid == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + E];
+    *gl = s;
+  }
+  u32 gm = key;
+#pragma unroll
+  for (int o = 1; o < G; o *= 2) gm = max(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+  if (tid % G == 0 && tid / G < NG) s_gmax[tid / G] = gm;
+  if (tid == 0) s_cnt = 0;
+  __syncthreads();
+  // every warp holding experts: T, the group maximum with K - 1 before it (lane l ranks group l,
+  // the maxima read 4 at a time); the largest key
+  u32 thr = 0, top = 0;
+  if (warp * 32 < E) {
+    const u32 m = lane < NG ? s_gmax[lane] : 0u;
+    int rank = 0;
+#pragma unroll
+    for (int w4 = 0; w4 < NG; w4 += 4) {
+      const uint4 q = *reinterpret_cast<const uint4*>(s_gmax + w4);
+      const u32 o[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int w = w4; w < w4 + 4 && w < NG; ++w) rank += o[w - w4] > m || (o[w - w4] == m && w < lane);
+    }
+    const unsigned at = __ballot_sync(0xffffffffu, lane < NG && rank == K - 1), first = __ballot_sync(0xffffffffu, lane < NG && rank == 0);
+    thr = __shfl_sync(0xffffffffu, m, __ffs(at) - 1);
+    top = __shfl_sync(0xffffffffu, m, __ffs(first) - 1);
+  }
+  if (tid < E && key >= thr) {
+    const int i = atomicAdd(&s_cnt, 1);
+    s_ck[i] = (unsigned long long)key << 32 | (u32)~tid;
+    s_cv[i] = v;
+  }
+  if (LOGIT_ORDER && !R::RENORM) {  // exp(l - the largest l), summed per warp (all[w]; in warp order later)
+    const float e = tid < E ? expf(v - key_value(top)) : 0.0f;
+    const float ws = warp_sum(e);
+    if (lane == 0) all[warp] = ws;
+  }
+  __syncthreads();
+  const int C = s_cnt;
+  for (int i = tid; i < C; i += THREADS) {
+    const unsigned long long ki = s_ck[i];
+    int rank = 0;
+#pragma unroll 4
+    for (int j = 0; j < C; ++j) rank += s_ck[j] > ki;
+    if (rank < K) {
+      ids[rank] = (int)~(u32)ki;
+      pick[rank] = s_cv[i];
+    }
+  }
+}
+
+// route_block's weights (warp 0): the choices' from their scores, the shared-expert gate.
+template <int K, bool SHARED_GATE, class R, int WARPS>
+MOE_DEVICE void route_block_weights(const float* pick, const float* all, const float* gl, float* w_out, float* gate) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  float sum = 0.0f;
+  if (LOGIT_ORDER && !R::RENORM) {
+    for (int w = 0; w < WARPS; ++w) sum += all[w];
+  }
+  route_weights<K, R>(pick, sum, w_out);
+  if (SHARED_GATE && threadIdx.x == 0) *gate = 1.0f / (1.0f + expf(-*gl));
 }
 
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
@@ -1609,6 +1736,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int PU4 = AF * 32;            // uint4 of a piece: 16 rows x 32 K
   constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
   constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
+  constexpr int UNITS = K * TI + TIS;  // gate/up units: 16 rows of one expert
+  // the route by the whole block (route_block; its weights computed in the down phase)
+  constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && !RouteRule::HASH && RouteRule::NGROUP == 1 &&
+                               RouteRule::SCORE != MOE_SCORE_SPARSEMIXER && RouteRule::ZERO == 0 && !RouteRule::EP &&
+                               RouteBlockFits<E, K, RouteRule, THREADS>::value;
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
@@ -1632,6 +1764,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
+  // route_block: the choices' scores, the per-warp sums of exp(l - max l), the shared gate's logit
+  __shared__ float s_pick[K], s_all[WARPS], s_gl;
   __shared__ u32 s_ep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
@@ -1651,11 +1785,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
       __syncwarp();
       if (TMAP) {  // one tensor copy per operand: tile r16 % TPB of row group r16 / TPB, every chunk
-        const int group = r16 / TPB, mt = r16 % TPB;
-        if (lane < (KCDS > 0 ? 2 : 1))  // the maps (written before the launch) as the tensor copies see them
-          asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
-                       ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
-        __syncwarp();
+        const int group = r16 / TPB, mt = r16 % TPB;  // (the maps fenced after the router)
         if (lane < K) {
           tensor_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4), tmaps, 0, mt, 0, group, s_ids[lane],
                       bar + 8 * lane);
@@ -1748,6 +1878,20 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
+  // The shared expert's weights do not depend on the route: every block asks for its share of
+  // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
+  // (the asking thread waits while the copy engine takes the request).
+  if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
+    constexpr size_t N13 = (size_t)TIS * KC * 2 * PU4, N2 = (size_t)(H / 16) * KCDS * PU4;  // uint4
+    const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
+    if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
+    if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
+  }
+  // TMAP: the maps (written before the launch) as the tensor copies will see them, fenced by the
+  // last warp while the block waits for the logits (the fence waits about a round trip)
+  if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                 ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
   if (TAGS) {
     if (threadIdx.x == 0) s_ep = word + 1;
     __syncthreads();
@@ -1783,7 +1927,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   if constexpr (!RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
                 RouteRule::ZERO == 0 && !RouteRule::EP) {
-    if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
+    if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
+      route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
+                                                                           s_all, &s_gl);
+    } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need,
@@ -1807,26 +1954,66 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
   if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
-    topk_w[threadIdx.x] = s_w[threadIdx.x];
+    if (!BLOCK_ROUTE) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
   // this block's first 16 output rows of down: every piece asked for now
   if ((int)blockIdx.x < H / 16) request(blockIdx.x);
 
-  // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles
-  constexpr int UNITS = K * TI + TIS;
+  // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
+  // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
+  // experts take them)
   for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
     const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
+    // unit k, row r: the warps' sums in warp order, the activation, to global memory
+    auto finish = [&](int k, int r) {
+      const int u = u0 + k * gridDim.x;
+      float gv = 0.0f, uv = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        gv += red[(k * WARPS + w) * 32 + r];
+        uv += red[(k * WARPS + w) * 32 + 16 + r];
+      }
+      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
+      if (TAGS) {
+        st_tagged(tact + idx, (ep << 16) | (u32)a);
+      } else if (u < K * TI) {
+        act[idx] = a;
+      } else {
+        act_s[idx - K * I] = a;
+      }
+    };
+    // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
+    // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) as an offset (so[k], top bit: the shared
+    // expert's), in registers: each load takes its address from them rather than from the
+    // choices in shared memory
+    const uint4* ub[UR];
+    u32 so[UR];
+    auto unit_base = [&](int k) {
+      const int u = u0 + k * gridDim.x;
+      if (u < K * TI) {
+        const int e = s_ids[u / TI];
+        ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * (2 * PU4);
+        so[k] = ((u32)e * (I / 128) + (u % TI) / 8) * KB;
+      } else {
+        ub[k] = ws13 + (size_t)(u - K * TI) * KC * (2 * PU4);
+        so[k] = 0x80000000u | (u32)((u - K * TI) / 8) * KB;
+      }
+    };
     auto weights = [&](int k) -> const uint4* {
-      const int u = u0 + k * gridDim.x;
-      return u < K * TI ? w13 + ((size_t)s_ids[u / TI] * TI + u % TI) * KC * (2 * PU4)
-                        : ws13 + (size_t)(u - K * TI) * KC * (2 * PU4);
+      const uint4* r = ub[0];
+#pragma unroll
+      for (int j = 1; j < UR; ++j)
+        if (k == j) r = ub[j];
+      return r;
     };
-    // FP8: unit k's scales of gate (m = 0) and up (m = 1) for chunk c: s13 [2][E][I/128][H/128], ss13 [2][IS/128][H/128]
     auto scale13 = [&](int k, int m, int c) -> float {
-      const int u = u0 + k * gridDim.x;
-      return u < K * TI ? __ldg(s13 + (size_t)m * E * (I / 128) * KB + ((size_t)s_ids[u / TI] * (I / 128) + (u % TI) / 8) * KB + c / 4)
-                        : __ldg(ss13 + (size_t)m * (IS / 128) * KB + (size_t)((u - K * TI) / 8) * KB + c / 4);
+      u32 o = so[0];
+#pragma unroll
+      for (int j = 1; j < UR; ++j)
+        if (k == j) o = so[j];
+      return __ldg((o >> 31 ? ss13 + (size_t)m * (IS / 128) * KB : s13 + (size_t)m * E * (I / 128) * KB) + (o & 0x7fffffffu) + c / 4);
     };
+    unit_base(0);
     // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
     // their FP8 scales)
     const int q_end = nu * CPU;
@@ -1848,6 +2035,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
     // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
     if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
+#pragma unroll
+    for (int k = 1; k < UR; ++k)
+      if (k < nu) unit_base(k);
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -1891,38 +2081,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
     __syncthreads();
-    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
-      const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
-      float gv = 0.0f, uv = 0.0f;
-      for (int w = 0; w < WARPS; ++w) {
-        gv += red[(k * WARPS + w) * 32 + r];
-        uv += red[(k * WARPS + w) * 32 + 16 + r];
-      }
-      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
-      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
-      if (TAGS) {
-        st_tagged(tact + idx, (ep << 16) | (u32)a);
-      } else if (u < K * TI) {
-        act[idx] = a;
-      } else {
-        act_s[idx - K * I] = a;
-      }
-    }
+    if (threadIdx.x < nu * 16) finish(threadIdx.x >> 4, threadIdx.x & 15);
     __syncthreads();
   }
   if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
-  // 4. down + the weighted sum, 16 output rows at a time. Warp w takes the pieces p = w, w + WARPS,
-  // ... of each operand's run (p = s * KCD + c). The activations are staged in shared memory by
-  // the whole block: (TAGS) loaded until every one carries this call's epoch, or copied from L2
-  // (other blocks wrote them, before the barrier). The operands are a loop, each operand's pieces
-  // loaded before the last one's products (below).
+  // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
+  // memory by the whole block: (TAGS) loaded until every one carries this call's epoch, or copied
+  // from L2 (other blocks wrote them, before the barrier).
   if ((int)blockIdx.x < H / 16) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
     if (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
+      if (BLOCK_ROUTE && warp == 0) route_block_weights<K, SHARED_GATE, RouteRule, WARPS>(s_pick, s_all, &s_gl, s_w, s_gate);
       for (;;) {
         bool stale = false;
         uint4 q[PER];
@@ -1949,6 +2122,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         reinterpret_cast<uint4*>(s_act)[v] = __ldcg(reinterpret_cast<const uint4*>(8 * v < K * I ? act + 8 * v : act_s + (8 * v - K * I)));
       __syncthreads();
     }
+    if (BLOCK_ROUTE && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
   }
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
@@ -1963,56 +2137,52 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         __syncthreads();
       }
     }
-    // operand s's pieces of this warp (once they have landed) and their activations; the next
-    // operand's are loaded before this one's products (shared memory's bandwidth is what bounds
-    // this phase: the loads of one operand overlap the products of the last)
-    uint4 a[CWM][AF], b[CWM];
-    auto fetch = [&](int s, uint4 (&fa)[CWM][AF], uint4 (&fb)[CWM]) {
-      const int base = s * KCD, kcd = s < K ? KCD : KCDS, c0 = ((warp - base) % WARPS + WARPS) % WARPS;
-      mbar_wait(bar + 8 * s, parity);  // operand s's pieces (the products of the first overlap the last copies)
-#pragma unroll
-      for (int i = 0; i < CWM; ++i) {
-        const int c = c0 + i * WARPS;
-        fb[i] = g == 0 && c < kcd ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int f = 0; f < AF; ++f) fa[i][f] = c < kcd ? pieces[(base + c) * PU4 + lane + 32 * f] : make_uint4(0, 0, 0, 0);
-      }
-    };
-    fetch(0, a, b);
+    // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c). Every
+    // operand's pieces waited for, then this warp's products DG operands at a time, unrolled, each
+    // operand its own accumulator: the loads of one overlap the products of the others (a loop
+    // over the operands waited on each one's loads and products in turn: shared memory's latency,
+    // not its bandwidth, bounded it)
 #pragma unroll 1
-    for (int s = 0; s < DSLOTS; ++s) {
-      uint4 na[CWM][AF], nb[CWM];
-      if (s + 1 < DSLOTS) fetch(s + 1, na, nb);
-      const int kcd = s < K ? KCD : KCDS, c0 = ((warp - s * KCD) % WARPS + WARPS) % WARPS;
-      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
+    constexpr int DG = DSLOTS <= 8 ? DSLOTS : (DSLOTS + 1) / 2;  // accumulators in registers
+#pragma unroll 1
+    for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
+      float o[DG][4];
 #pragma unroll
-      for (int i = 0; i < CWM; ++i) {
-        const int c = c0 + i * WARPS;
-        if (c < kcd) {
-          if (FP8) {
-            uint4 k0, k1;
-            e4m3x16_to_bf16(a[i][0], k0, k1);
-            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_bf16(tmp, k0, b[i].x, b[i].y);
-            mma_bf16(tmp, k1, b[i].z, b[i].w);
-            const float sc = s_dsc[s * KBD + c / 4];
+      for (int j = 0; j < DG; ++j) {
+        const int s = s0 + j, base = s * KCD, kcd = s < K ? KCD : s < DSLOTS ? KCDS : 0;
+        const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
-            for (int r = 0; r < 4; ++r) o[r] = fmaf(sc, tmp[r], o[r]);
-          } else {
-            mma_bf16(o, a[i][0], b[i].x, b[i].y);
-            mma_bf16(o, a[i][AF - 1], b[i].z, b[i].w);
+        for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < CWM; ++i) {
+          const int c = c0 + i * WARPS;
+          if (c < kcd) {
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+            if (FP8) {
+              uint4 k0, k1;
+              e4m3x16_to_bf16(pieces[(base + c) * PU4 + lane], k0, k1);
+              float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_bf16(tmp, k0, b.x, b.y);
+              mma_bf16(tmp, k1, b.z, b.w);
+              const float sc = s_dsc[s * KBD + c / 4];
+#pragma unroll
+              for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
+            } else {
+              mma_bf16(o[j], pieces[(base + c) * PU4 + lane], b.x, b.y);
+              mma_bf16(o[j], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
+            }
           }
         }
       }
       if (t == 0) {
-        red[(warp * DSLOTS + s) * 16 + g] = o[0];
-        red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
-      }
 #pragma unroll
-      for (int i = 0; i < CWM; ++i) {
-        b[i] = nb[i];
-#pragma unroll
-        for (int f = 0; f < AF; ++f) a[i][f] = na[i][f];
+        for (int j = 0; j < DG; ++j) {
+          if (s0 + j < DSLOTS) {
+            red[(warp * DSLOTS + s0 + j) * 16 + g] = o[j][0];
+            red[(warp * DSLOTS + s0 + j) * 16 + g + 8] = o[j][2];
+          }
+        }
       }
     }
     parity ^= 1;
@@ -2149,8 +2319,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 #endif
 // one token in one launch: router (33 tiles x 4 parts), route in every block, gate/up (10 x 32 + 32 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e512_h2048_i512_k10_si512_ks4_n256_e512_k10_softmax_scores_renorm_sgate_fp32_silu_gated_t2_u3_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
-  single_body<64, 16, 16, 32, 32, 512, 512, 2048, 512, 10, 528, 4, 256, 2, true, 16, 3, 4, true, MOE_W_BF16, false, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e512_h2048_i512_k10_si512_ks4_n256_e512_k10_softmax_scores_renorm_sgate_fp32_silu_gated_t2_u3_tmap_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
+  single_body<64, 16, 16, 32, 32, 512, 512, 2048, 512, 10, 528, 4, 256, 2, true, 16, 3, 4, true, MOE_W_BF16, false, true>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
 }
 #endif
 // router: 528 rows x 2048, K split 4 ways, 8 tokens per pass; the last block routes
