@@ -1601,28 +1601,31 @@ struct RouteBlockFits {
 };
 
 // The route of the one token by the whole block (route_one's rules where RouteBlockFits): the
-// same choices, in the same order, into ids; their scores into pick, and what their weights need
-// (all, the shared gate's logit gl) for route_block_weights, which runs later, off the path to
-// the first expert byte. Thread e holds expert e's selection value as an order key. NG <= 32
-// groups of G experts (G the smallest power of two that makes so few; NG >= K) take their
-// largest key; the K-th largest group maximum T bounds the K-th largest key from below (K groups
-// each hold a key >= T), so the choices are among the keys >= T: about K of them, the finer the
-// groups the fewer. Every warp finds T from the group maxima itself; the candidates are gathered
-// (in any order) and each is ranked by counting the candidates before it (a larger key, or an
-// equal key and a lower expert: one 64-bit comparison of key and inverted expert): a rank below K
-// is its choice slot. Three block barriers instead of K serial rounds of one warp. The partial
-// logits: part p at logits + p * PSTRIDE (shared memory).
+// same choices, in the same order, into ids; their scores into pick, every expert's score (for
+// a softmax over all experts) into v_all and the shared gate's logit into gl, for
+// route_block_weights, which runs later, off the path to the first expert byte. Expert e's
+// selection value becomes one 64-bit key, its order key above ~e (a larger value first; equal
+// values: the lower expert), and its choice slot is its rank: the keys above it, counted.
+//  - E <= THREADS / 4: every rank counted directly, RG threads an expert, each comparing a strided
+//    E / RG of the keys (one barrier between the keys and the ranks);
+//  - else NG <= 32 groups of G experts (G the smallest power of two that makes so few; NG >= K)
+//    take their largest key; the K-th largest group maximum T bounds the K-th largest key from
+//    below (K groups each hold a key >= T), so the choices are among the keys >= T, about K of
+//    them: those are gathered (in any order) and ranked among themselves (two barriers).
+// The partial logits: part p at logits + p * PSTRIDE (shared memory).
 template <int E, int K, int KSPLIT, int PSTRIDE, bool SHARED_GATE, class R, int THREADS>
 MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_bias,
-                            const float* __restrict__ router_bias, int* ids, float* pick, float* all, float* gl) {
+                            const float* __restrict__ router_bias, int* ids, float* pick, float* v_all, float* gl) {
+  static_assert(RouteBlockFits<E, K, R, THREADS>::value, "route_block's rules");
+  constexpr bool DIRECT = 4 * E <= THREADS;
+  constexpr int RG = THREADS / E >= 32 ? 32 : THREADS / E >= 16 ? 16 : THREADS / E >= 8 ? 8 : 4;  // DIRECT: threads an expert
   constexpr int G = E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= 256 ? 8 : 16;
-  constexpr int NG = (E + G - 1) / G, WARPS = THREADS / 32;
-  static_assert(RouteBlockFits<E, K, R, THREADS>::value && NG >= K && NG <= 32, "route_block's rules");
-  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  constexpr int NG = (E + G - 1) / G;
+  static_assert(DIRECT || (NG >= K && NG <= 32), "route_block's groups");
   __shared__ __align__(16) u32 s_gmax[(NG + 3) / 4 * 4];
   __shared__ int s_cnt;
-  __shared__ unsigned long long s_ck[E];  // the candidates: key << 32 | ~expert, score
-  __shared__ float s_cv[E];
+  __shared__ unsigned long long s_ck[E];  // the keys (DIRECT: expert e's at e; else the candidates')
+  __shared__ float s_cv[E];               // their scores
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float v = MOE_NEG_INF;
   u32 key = 0;  // below every expert's
@@ -1635,6 +1638,7 @@ MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_
     if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) s = 1.0f / (1.0f + expf(-s));
     if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) s = sqrtf(softplus(s));
     v = s;
+    v_all[tid] = s;
     key = order_key(s + (R::CORR_BIAS ? corr_bias[tid] : 0.0f));
   }
   if (SHARED_GATE && tid == 0) {
@@ -1643,60 +1647,77 @@ MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_
     for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + E];
     *gl = s;
   }
-  u32 gm = key;
-#pragma unroll
-  for (int o = 1; o < G; o *= 2) gm = max(gm, __shfl_xor_sync(0xffffffffu, gm, o));
-  if (tid % G == 0 && tid / G < NG) s_gmax[tid / G] = gm;
-  if (tid == 0) s_cnt = 0;
-  __syncthreads();
-  // every warp holding experts: T, the group maximum with K - 1 before it (lane l ranks group l,
-  // the maxima read 4 at a time); the largest key
-  u32 thr = 0, top = 0;
-  if (warp * 32 < E) {
-    const u32 m = lane < NG ? s_gmax[lane] : 0u;
-    int rank = 0;
-#pragma unroll
-    for (int w4 = 0; w4 < NG; w4 += 4) {
-      const uint4 q = *reinterpret_cast<const uint4*>(s_gmax + w4);
-      const u32 o[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int w = w4; w < w4 + 4 && w < NG; ++w) rank += o[w - w4] > m || (o[w - w4] == m && w < lane);
+  if constexpr (DIRECT) {
+    if (tid < E) {
+      s_ck[tid] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[tid] = v;
     }
-    const unsigned at = __ballot_sync(0xffffffffu, lane < NG && rank == K - 1), first = __ballot_sync(0xffffffffu, lane < NG && rank == 0);
-    thr = __shfl_sync(0xffffffffu, m, __ffs(at) - 1);
-    top = __shfl_sync(0xffffffffu, m, __ffs(first) - 1);
-  }
-  if (tid < E && key >= thr) {
-    const int i = atomicAdd(&s_cnt, 1);
-    s_ck[i] = (unsigned long long)key << 32 | (u32)~tid;
-    s_cv[i] = v;
-  }
-  if (LOGIT_ORDER && !R::RENORM) {  // exp(l - the largest l), summed per warp (all[w]; in warp order later)
-    const float e = tid < E ? expf(v - key_value(top)) : 0.0f;
-    const float ws = warp_sum(e);
-    if (lane == 0) all[warp] = ws;
-  }
-  __syncthreads();
-  const int C = s_cnt;
-  for (int i = tid; i < C; i += THREADS) {
-    const unsigned long long ki = s_ck[i];
+    __syncthreads();
+    const int e = tid / RG, q = tid % RG;  // expert e's rank, part q: keys q, q + RG, ... (no bank conflicts)
     int rank = 0;
+    if (e < E) {
+      const unsigned long long my = s_ck[e];
+#pragma unroll
+      for (int j = q; j < E; j += RG) rank += s_ck[j] > my;
+    }
+#pragma unroll
+    for (int o = 1; o < RG; o *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    if (e < E && q == 0 && rank < K) {
+      ids[rank] = e;
+      pick[rank] = s_cv[e];
+    }
+  } else {
+    u32 gm = key;
+#pragma unroll
+    for (int o = 1; o < G; o *= 2) gm = max(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    if (tid % G == 0 && tid / G < NG) s_gmax[tid / G] = gm;
+    if (tid == 0) s_cnt = 0;
+    __syncthreads();
+    // every warp holding experts: T, the group maximum with K - 1 before it (lane l ranks group
+    // l, the maxima read 4 at a time)
+    u32 thr = 0;
+    if (warp * 32 < E) {
+      const u32 m = lane < NG ? s_gmax[lane] : 0u;
+      int rank = 0;
+#pragma unroll
+      for (int w4 = 0; w4 < NG; w4 += 4) {
+        const uint4 q = *reinterpret_cast<const uint4*>(s_gmax + w4);
+        const u32 o[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int w = w4; w < w4 + 4 && w < NG; ++w) rank += o[w - w4] > m || (o[w - w4] == m && w < lane);
+      }
+      thr = __shfl_sync(0xffffffffu, m, __ffs(__ballot_sync(0xffffffffu, lane < NG && rank == K - 1)) - 1);
+    }
+    if (tid < E && key >= thr) {
+      const int i = atomicAdd(&s_cnt, 1);
+      s_ck[i] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[i] = v;
+    }
+    __syncthreads();
+    const int C = s_cnt;
+    for (int i = tid; i < C; i += THREADS) {
+      const unsigned long long ki = s_ck[i];
+      int rank = 0;
 #pragma unroll 4
-    for (int j = 0; j < C; ++j) rank += s_ck[j] > ki;
-    if (rank < K) {
-      ids[rank] = (int)~(u32)ki;
-      pick[rank] = s_cv[i];
+      for (int j = 0; j < C; ++j) rank += s_ck[j] > ki;
+      if (rank < K) {
+        ids[rank] = (int)~(u32)ki;
+        pick[rank] = s_cv[i];
+      }
     }
   }
 }
 
-// route_block's weights (warp 0): the choices' from their scores, the shared-expert gate.
-template <int K, bool SHARED_GATE, class R, int WARPS>
-MOE_DEVICE void route_block_weights(const float* pick, const float* all, const float* gl, float* w_out, float* gate) {
+// route_block's weights (warp 0): the choices' from their scores (a softmax over all experts:
+// exp(v - the largest v) summed over v_all, in lane order), the shared-expert gate.
+template <int E, int K, bool SHARED_GATE, class R>
+MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const float* gl, float* w_out, float* gate) {
   constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
   float sum = 0.0f;
   if (LOGIT_ORDER && !R::RENORM) {
-    for (int w = 0; w < WARPS; ++w) sum += all[w];
+    const float top = pick[0];  // the first choice: the largest logit
+    for (int e = threadIdx.x & 31; e < E; e += 32) sum += expf(v_all[e] - top);
+    sum = warp_sum(sum);
   }
   route_weights<K, R>(pick, sum, w_out);
   if (SHARED_GATE && threadIdx.x == 0) *gate = 1.0f / (1.0f + expf(-*gl));
@@ -1764,8 +1785,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
-  // route_block: the choices' scores, the per-warp sums of exp(l - max l), the shared gate's logit
-  __shared__ float s_pick[K], s_all[WARPS], s_gl;
+  // route_block: the choices' scores, every expert's score, the shared gate's logit
+  __shared__ float s_pick[K], s_vall[BLOCK_ROUTE ? E : 1], s_gl;
   __shared__ u32 s_ep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
@@ -1779,31 +1800,46 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows r16 of down: request every piece (slot order, then chunks); with
-  // one tile per packed row group (TPB 1) an operand's rows are one contiguous run
+  // one tile per packed row group (TPB 1) an operand's rows are one contiguous run. With one copy
+  // per operand (TMAP, TPB 1) and every choice known to every warp (not OVERLAP), lane 0 of warp s
+  // asks for operand s (and lanes of warp s for its FP8 scales): the copies' issue spread over the
+  // warps rather than holding warp 0 (and the last operands' copies) back; otherwise warp 0 asks
+  // for everything.
+  constexpr bool SPREAD = (TMAP || TPB == 1) && !OVERLAP && DSLOTS <= WARPS;
   auto request = [&](int r16) {
-    if (warp == 0) {
-      if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
-      __syncwarp();
-      if (TMAP) {  // one tensor copy per operand: tile r16 % TPB of row group r16 / TPB, every chunk
-        const int group = r16 / TPB, mt = r16 % TPB;  // (the maps fenced after the router)
-        if (lane < K) {
-          tensor_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4), tmaps, 0, mt, 0, group, s_ids[lane],
-                      bar + 8 * lane);
-        } else if (KCDS > 0 && lane == K) {
-          tensor_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * PU4), static_cast<const char*>(tmaps) + 128, 0, mt,
-                      0, group, bar + 8 * K);
-        }
-      } else if (TPB == 1) {
-        if (lane < K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + lane * KCD * PU4),
-                    w2 + ((size_t)s_ids[lane] * (H / 16) + r16) * KCD * PU4, KCD * PU4 * 16, bar + 8 * lane);
-        } else if (KCDS > 0 && lane == K) {
-          bulk_copy((u32)__cvta_generic_to_shared(pieces + K * KCD * PU4), ws2 + (size_t)r16 * KCDS * PU4, KCDS * PU4 * 16,
-                    bar + 8 * K);
-        }
+    const int group = r16 / TPB, mt = r16 % TPB;  // (the tensor maps fenced after the router)
+    auto one = [&](int s) {  // operand s's pieces: one tensor copy (tile mt of row group `group`) or one bulk copy
+      mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16);
+      const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
+      if (TMAP) {
+        if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
+        else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
+      } else if (s < K) {
+        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / 16) + r16) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
       } else {
-        const int group = r16 / TPB, mt = r16 % TPB;
-        for (int p = lane; p < PIECES; p += 32) {
+        bulk_copy(dst, ws2 + (size_t)r16 * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+      }
+    };
+    // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
+    auto scales = [&](int i) {
+      const int s = i / KBD, kb = i % KBD;
+      if (s < K ? kb < I / 128 : kb < IS / 128)
+        cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + kb
+                                   : ss2 + (size_t)(r16 / 8) * (IS / 128) + kb);
+    };
+    if (SPREAD) {
+      if (warp < DSLOTS) {
+        if (lane == 0) one(warp);
+        if (FP8 && lane < KBD) scales(warp * KBD + lane);
+      }
+      if (FP8) cp_async_commit();
+    } else if (warp == 0) {
+      if (TMAP || TPB == 1) {
+        if (lane < DSLOTS) one(lane);
+      } else {
+        if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
+        __syncwarp();
+        for (int p = lane; p < PIECES; p += 32) {  // one bulk copy per piece
           const uint4* src;
           if (p < K * KCD) {
             const int j = p / KCD, c = p % KCD;
@@ -1815,13 +1851,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
         }
       }
-      if (FP8) {  // the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
-        for (int i = lane; i < DSLOTS * KBD; i += 32) {
-          const int s = i / KBD, kb = i % KBD;
-          if (s < K ? kb < I / 128 : kb < IS / 128)
-            cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + kb
-                                       : ss2 + (size_t)(r16 / 8) * (IS / 128) + kb);
-        }
+      if (FP8) {
+        for (int i = lane; i < DSLOTS * KBD; i += 32) scales(i);
         cp_async_commit();
       }
     }
@@ -1929,7 +1960,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                 RouteRule::ZERO == 0 && !RouteRule::EP) {
     if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
-                                                                           s_all, &s_gl);
+                                                                           s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
@@ -2095,7 +2126,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
-      if (BLOCK_ROUTE && warp == 0) route_block_weights<K, SHARED_GATE, RouteRule, WARPS>(s_pick, s_all, &s_gl, s_w, s_gate);
+      if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
       for (;;) {
         bool stale = false;
         uint4 q[PER];
@@ -2144,7 +2175,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // not its bandwidth, bounded it)
 #pragma unroll 1
     for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
-    constexpr int DG = DSLOTS <= 8 ? DSLOTS : (DSLOTS + 1) / 2;  // accumulators in registers
+    // operands a group: 8 or fewer in groups of 4 unless exactly 8, more in two halves (the
+    // accumulators and loads of one group in registers, no spills for the shapes compiled here)
+    constexpr int DG = DSLOTS == 8 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
 #pragma unroll 1
     for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
       float o[DG][4];
