@@ -127,18 +127,16 @@ class Tuning:
     single_fp8: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
     # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
-    # the reference on the H200, 0-0.7 us faster there, but compute-sanitizer racecheck reported one
-    # hazard with lane 0 arriving alone (see the README); every lane of warp 0 arriving is not yet
-    # run on a GPU, so off in the analytic plan
+    # the reference on the H200 (every lane of warp 0 arriving), 0.6-0.8 us faster there at N = 1,
+    # but its racecheck run is still to be done (with lane 0 arriving alone it reported one hazard;
+    # see the README), so off in the analytic plan
     single_overlap: bool = False
     # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
     # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor
     # copy (a TMA tensor map over the packed weights, moegen.plan.TensorMap) rather than a bulk
     # copy per piece, which held the asking warp for ~9 us at Qwen3-30B-A3B's 192 pieces. None (the
-    # analytic plan): for FP8 block weights, whose pieces are 512 bytes (Qwen3-30B-A3B-FP8 at N = 1:
-    # 22.8 against 25.2 us on the H200); in BF16 its fence (fence.proxy.tensormap: the maps as the
-    # tensor copies see them) cost what the fewer copies saved (28.6 against 28.6 us). True / False:
-    # always / never
+    # analytic plan) or True: on (Qwen3-30B-A3B-FP8 at N = 1: 22.8 against 25.2 us on the H200;
+    # Qwen3-30B-A3B 26.9 against 27.0, its fence now off the route's path); False: never
     single_tmap: bool | None = None
 
     def check(self, spec: Spec) -> None:
@@ -608,8 +606,7 @@ def single_overlap(c: Layer) -> bool:
 def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
     copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
-    bulk copy a piece holds the issuing warp (and, with it, the block's per-unit barriers of
-    gate/up) until most of the pieces are in flight."""
+    bulk copy a piece holds the issuing warp until most of the pieces are in flight."""
     return c.tune.single_tmap is not False and c.tune.down_tiles > 1
 
 

@@ -1453,6 +1453,21 @@ MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
   if (lane < K) w_out[lane] = w;
 }
 
+// One expert's logit as the rule sees it (its router bias added, rounded to bf16 where the rule's
+// logits are), and its score where the score is a function of the logit alone (sigmoid,
+// sqrt-softplus; the logit itself otherwise: softmax scores need every expert).
+template <class R>
+MOE_DEVICE float route_logit(float s, const float* __restrict__ router_bias, int e) {
+  if (R::ROUTER_BIAS) s += router_bias[e];
+  return R::LOGITS_BF16 ? bf16_to_f32(f32_to_bf16(s)) : s;
+}
+template <class R>
+MOE_DEVICE float route_score(float s) {
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
+  return s;
+}
+
 // The route of the one token, by warp 0, for the rules without expert groups, hash tables,
 // identity experts or SparseMixer (the others take route_body): the same choices as route_body
 // (the k largest selection values, equal values: the lower expert). Lane l holds experts
@@ -1498,10 +1513,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const int e = lane * EPL + i;
-    float s = v[i];
-    if (R::ROUTER_BIAS && e < E) s += router_bias[e];
-    if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
-    v[i] = e < E ? s : MOE_NEG_INF;
+    v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;
   }
   // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
   // the logits' order (equal logits: equal scores, the lower expert first), so the route picks
@@ -1523,12 +1535,9 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     sum = warp_sum(sum);
 #pragma unroll
     for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
-  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+  } else {
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
-  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
+    for (int i = 0; i < EPL; ++i) v[i] = route_score<R>(v[i]);
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
@@ -1633,10 +1642,7 @@ MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_
     float s = 0.0f;
 #pragma unroll
     for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + tid];
-    if (R::ROUTER_BIAS) s += router_bias[tid];
-    if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
-    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) s = 1.0f / (1.0f + expf(-s));
-    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) s = sqrtf(softplus(s));
+    s = route_score<R>(route_logit<R>(s, router_bias, tid));
     v = s;
     v_all[tid] = s;
     key = order_key(s + (R::CORR_BIAS ? corr_bias[tid] : 0.0f));
@@ -1758,10 +1764,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
   constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
   constexpr int UNITS = K * TI + TIS;  // gate/up units: 16 rows of one expert
-  // the route by the whole block (route_block; its weights computed in the down phase)
-  constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && !RouteRule::HASH && RouteRule::NGROUP == 1 &&
-                               RouteRule::SCORE != MOE_SCORE_SPARSEMIXER && RouteRule::ZERO == 0 && !RouteRule::EP &&
-                               RouteBlockFits<E, K, RouteRule, THREADS>::value;
+  // route_one's rules (no expert groups, hash tables, SparseMixer, identity experts or expert
+  // parallelism); the route by the whole block where it fits (route_block; its weights computed
+  // in the down phase)
+  constexpr bool ONE_RULES = !RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
+                             RouteRule::ZERO == 0 && !RouteRule::EP;
+  constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
@@ -1956,8 +1964,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       __nanosleep(64);
     }
   }
-  if constexpr (!RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
-                RouteRule::ZERO == 0 && !RouteRule::EP) {
+  if constexpr (ONE_RULES) {
     if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
@@ -1995,24 +2002,6 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // experts take them)
   for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
     const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
-    // unit k, row r: the warps' sums in warp order, the activation, to global memory
-    auto finish = [&](int k, int r) {
-      const int u = u0 + k * gridDim.x;
-      float gv = 0.0f, uv = 0.0f;
-      for (int w = 0; w < WARPS; ++w) {
-        gv += red[(k * WARPS + w) * 32 + r];
-        uv += red[(k * WARPS + w) * 32 + 16 + r];
-      }
-      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
-      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
-      if (TAGS) {
-        st_tagged(tact + idx, (ep << 16) | (u32)a);
-      } else if (u < K * TI) {
-        act[idx] = a;
-      } else {
-        act_s[idx - K * I] = a;
-      }
-    };
     // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
     // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) as an offset (so[k], top bit: the shared
     // expert's), in registers: each load takes its address from them rather than from the
@@ -2112,7 +2101,23 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
     __syncthreads();
-    if (threadIdx.x < nu * 16) finish(threadIdx.x >> 4, threadIdx.x & 15);
+    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+      const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
+      float gv = 0.0f, uv = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        gv += red[(k * WARPS + w) * 32 + r];
+        uv += red[(k * WARPS + w) * 32 + 16 + r];
+      }
+      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
+      if (TAGS) {
+        st_tagged(tact + idx, (ep << 16) | (u32)a);
+      } else if (u < K * TI) {
+        act[idx] = a;
+      } else {
+        act_s[idx - K * I] = a;
+      }
+    }
     __syncthreads();
   }
   if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
