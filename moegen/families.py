@@ -399,10 +399,10 @@ def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0) -> Kernel:
 def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.kf_e}" + (f"_si{c.si}_nts{nts}_{c.kf_s}" if c.si else "")
             + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}")
-    w = _warps(c, 2, max(nt, nts), c.kf_e)
+    w = _warps(c, 2, max(nt, nts))
     name += f"{_w(w)}_{c.spec.arch}"
-    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.kf_e, w), c.i // 16, c.si // 16, c.i,
-                        max(c.si, 1))), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s], str(c.e_local))
+    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.kf_e, w), _depth_s(c, 2, nt, nts, w),
+                        c.i // 16, c.si // 16, c.i, max(c.si, 1))), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s], str(c.e_local))
     base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
             ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
             ("const bf16_t* __restrict__ x", "x", c.x_expert),
@@ -424,14 +424,21 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
                    + (f" + shared {c.si // 16} tiles" if c.si else ""))
 
 
+def _depth_s(c: Layer, mats: int, nt: int, nts: int, warps: int) -> int:
+    """The shared expert's ring depth in a gate/up or down block: its own format's chunks. A layer
+    without a shared expert reserves no shared memory for that ring (the kernels size theirs by
+    the routed experts' alone); its depth is then the routed one, which leaves the code as it was."""
+    return depth(mats, max(nt, nts), c.kf_s if c.si else c.kf_e, warps)
+
+
 def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
     name = (f"moe_down_e{c.e}_h{c.h}_i{c.i}_k{c.k}_nt{nt}_{c.kf_e}" + (f"_si{c.si}_nts{nts}_{c.kf_s}" if c.si else "")
             + ("_sgate" if c.gated else "") + ("_bias" if c.bias else "") + (f"_z{c.z}" if c.z else "")
             + ("_winput" if c.woi else "") + c.ep_tag)
-    w, t = _warps(c, c.tune.down_tiles, max(nt, nts), c.kf_e), c.tune.down_tiles
+    w, t = _warps(c, c.tune.down_tiles, max(nt, nts)), c.tune.down_tiles
     name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + ("_pf" if c.tune.prefetch else "") + f"_{c.spec.arch}"
-    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.kf_e, w), t,
-                        c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s],
+    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.kf_e, w),
+                        _depth_s(c, t, nt, nts, w), t, c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s],
              str(c.e_local), _b(c.tune.prefetch))
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
             ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"),
@@ -698,11 +705,13 @@ def act_quant_kernel(c: Layer, what: str) -> Kernel | None:
                    "the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs")
 
 
-def _warps(c: Layer, mats: int, nt: int, fmt: str) -> int:
-    """The tuning's warps per block, halved where the ring of this kernel's token group would not
-    fit in static shared memory (the analytic 4 always fits)."""
+def _warps(c: Layer, mats: int, nt: int) -> int:
+    """The tuning's warps per block, halved where the ring of this kernel's token group (the routed
+    experts' or the shared expert's format, the larger chunk) would not fit in static shared memory
+    (the analytic 4 always fits)."""
     w = c.tune.warps
-    while w > WARPS and STATIC_SMEM // (w * chunk_bytes(mats, nt, fmt)) < 2:
+    chunk = max(chunk_bytes(mats, nt, c.kf_e), chunk_bytes(mats, nt, c.kf_s) if c.si else 0)
+    while w > WARPS and STATIC_SMEM // (w * chunk) < 2:
         w //= 2
     return w
 

@@ -402,21 +402,22 @@ struct TileGemv {
           }
         }
       } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times quantized activations, exactly, summed in fp32
-        uint4 bq[NT];
+        auto quant = [&](const uint4& b, float si) {
+          return make_uint4(quant_e4m3x2(b.x, si), quant_e4m3x2(b.y, si), quant_e4m3x2(b.z, si), quant_e4m3x2(b.w, si));
+        };
+        if (scale_stride == 0) {  // matrices of one source share their input scale: the tokens quantized once
+#pragma unroll
+          for (int j = 0; j < NT; ++j) bv[j] = quant(bv[j], s_in[0]);
+        }
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           uint4 k0, k1;
           e4m3x16_to_bf16(av[mt], k0, k1);
-          if (mt == 0 || scale_stride != 0) {  // matrices of one source share their input scale
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
-              bq[j] = make_uint4(quant_e4m3x2(bv[j].x, s_in[mt]), quant_e4m3x2(bv[j].y, s_in[mt]),
-                                 quant_e4m3x2(bv[j].z, s_in[mt]), quant_e4m3x2(bv[j].w, s_in[mt]));
-          }
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            mma_bf16(acc[j][mt], k0, bq[j].x, bq[j].y);
-            mma_bf16(acc[j][mt], k1, bq[j].z, bq[j].w);
+          for (int j = 0; j < NT; ++j) {  // (each matrix its own input scale: each token quantized at use)
+            const uint4 q = scale_stride == 0 ? bv[j] : quant(bv[j], s_in[mt]);
+            mma_bf16(acc[j][mt], k0, q.x, q.y);
+            mma_bf16(acc[j][mt], k1, q.z, q.w);
           }
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
@@ -918,7 +919,8 @@ MOE_DEVICE bf16_t routed_act(float gv, float uv, const float* __restrict__ b_gat
 // FP8 per-tensor: s13 [E][gate, up][weight scale, input scale] (ss13 likewise, without E).
 // MXFP4: s13 holds E8M0 bytes [E][tile][chunk][gate, up][16 rows] (ss13 likewise, without E).
 // NVFP4: s13 holds per tile e4m3 bytes [chunk][gate, up][2 blocks of 16][16 rows], then the two scale_2.
-template <int KC, int NT, int NTS, int WARPS, int DEPTH, int TI, int TIS, int I, int IS, int FMT, int FMTS, int E>
+template <int KC, int NT, int NTS, int WARPS, int DEPTH, int DEPTHS, int TI, int TIS, int I, int IS, int FMT, int FMTS,
+          int E>
 MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restrict__ ws13,
                              const float* __restrict__ s13, const float* __restrict__ ss13,
                              const bf16_t* __restrict__ x, const int* __restrict__ num_slots,
@@ -928,8 +930,10 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                              const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr,
                              const bf16_t* __restrict__ xq = nullptr, const float* __restrict__ sx = nullptr) {
   using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
-  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTH, FMTS>;
-  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  using GS = TileGemv<KC, 2, NTS, WARPS, DEPTHS, FMTS>;  // the shared expert's ring: its own format's depth
+  // (a layer without a shared expert reserves nothing for it: 5 BF16-sized rings a multiprocessor,
+  // not 2, for the FP4 layers)
+  constexpr int SMEM = TIS > 0 && GS::SMEM_BYTES > GR::SMEM_BYTES ? GS::SMEM_BYTES : GR::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   constexpr int KB = KC / 4;  // 128-wide K blocks (FP8 scales)
   // The grid is (expert slots of the bucket) x TI routed tiles, then TIS shared-expert tiles.
@@ -1013,8 +1017,8 @@ MOE_DEVICE float weighted_choices(int tk, int h, const float* __restrict__ topk_
 // FP8 per-tensor: s2 [E][weight scale, input scale] (ss2 without E); the TPB tiles share them.
 // MXFP4: s2 E8M0 bytes [E][row group][chunk][TPB tiles][16 rows] (ss2 likewise, without E).
 // NVFP4: s2 per row group e4m3 bytes [chunk][TPB tiles][2 blocks of 16][16 rows], then TPB scale_2.
-template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int TPB, int TH, int H, int K, bool SHARED_GATE,
-          int FMT, int FMTS, int E_LOCAL, bool PREFETCH>
+template <int KC, int KCS, int NT, int NTS, int WARPS, int DEPTH, int DEPTHS, int TPB, int TH, int H, int K,
+          bool SHARED_GATE, int FMT, int FMTS, int E_LOCAL, bool PREFETCH>
 MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict__ ws2,
                           const float* __restrict__ s2, const float* __restrict__ ss2,
                           const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s,
@@ -1028,9 +1032,9 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
                           const float* __restrict__ sas = nullptr) {
   constexpr int ROWS = 16 * TPB;  // rows of one block; TH = H / ROWS row groups
   using GR = TileGemv<KC, TPB, NT, WARPS, DEPTH, FMT>;
-  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTH, FMTS>;
+  using GS = TileGemv<(KCS > 0 ? KCS : 1), TPB, NTS, WARPS, DEPTHS, FMTS>;
   static_assert(128 % ROWS == 0, "a block's rows lie in one 128-row scale block");
-  constexpr int SMEM = GR::SMEM_BYTES > GS::SMEM_BYTES ? GR::SMEM_BYTES : GS::SMEM_BYTES;
+  constexpr int SMEM = KCS > 0 && GS::SMEM_BYTES > GR::SMEM_BYTES ? GS::SMEM_BYTES : GR::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
   const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
@@ -1446,13 +1450,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1
 // gate/up + silu_gated: expert slots x 48 tiles
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_tensor_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 1, 1, 4, 8, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+  gate_up_body<64, 1, 1, 4, 8, 8, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt1_fp8_tensor_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 1, 1, 4, 8, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<24, 0, 1, 1, 4, 8, 8, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
@@ -1470,24 +1474,24 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4
 // gate/up + silu_gated: expert slots x 48 tiles
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_tensor_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 2, 2, 4, 6, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+  gate_up_body<64, 2, 2, 4, 6, 6, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_fp8_tensor_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 2, 2, 4, 6, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<24, 0, 2, 2, 4, 6, 6, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_fp8_tensor_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 4, 4, 4, 4, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+  gate_up_body<64, 4, 4, 4, 4, 4, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_fp8_tensor_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<24, 0, 4, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+  down_body<24, 0, 4, 4, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_FP8_TENSOR, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
