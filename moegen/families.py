@@ -125,6 +125,9 @@ class Tuning:
     # ... for FP8 block weights too (e4m3 codes, 128 x 128 block scales; with tagged words):
     # Qwen3-30B-A3B-FP8 at N = 1 22.4-22.8 us against 26.5 in four launches (H200)
     single_fp8: bool = True
+    # ... for MXFP4 and NVFP4 weights too (e2m1 codes with their row scales; with tagged words and
+    # two down tiles a row group: a block's down rows are a whole packed row group, 32 rows)
+    single_fp4: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
     # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
     # the reference on the H200 (every lane of warp 0 arriving), 0.6-0.8 us faster there at N = 1,
@@ -549,17 +552,21 @@ SINGLE_INFLIGHT = 4  # gate/up chunks in flight per warp (4 x 2 KB x 16 warps = 
 def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     """(dynamic shared memory bytes, gate/up units a block takes per round) of the single-launch
     kernel for this layer, or None where it does not apply: it takes BF16 weights (or, with the
-    tuning single_fp8, FP8 block weights; a shared expert in the routed experts' format), no
-    expert parallelism, biases, identity experts, weighted inputs or hash routing, one reduction
-    order for every N only where the spec does not ask for it (batch_invariant), hidden sizes
-    whose 32-wide chunks split evenly over its warps, and a block's share of the down weights (16
-    rows of every chosen expert and of the shared expert, 1 KB per 32-wide chunk in BF16, 512
-    bytes in FP8) must fit in shared memory beside the reduction space."""
-    # FP8 with tagged words only (with the barriers its down phase spills)
-    fmts = ("bf16", "fp8_block") if c.tune.single_fp8 and c.tune.single_tags else ("bf16",)
+    tunings single_fp8 / single_fp4, FP8 block, MXFP4 or NVFP4 weights; a shared expert in the
+    routed experts' format), no expert parallelism, biases, identity experts, weighted inputs or
+    hash routing, one reduction order for every N only where the spec does not ask for it
+    (batch_invariant), hidden sizes whose 32-wide chunks split evenly over its warps, and a
+    block's share of the down weights (16 rows of every chosen expert and of the shared expert, 1
+    KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: 32 rows, 512 bytes, and their scales)
+    must fit in shared memory beside the reduction space."""
+    # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
+    # down tiles a row group (a block's rows: the whole group)
+    fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
+        ("mxfp4", "nvfp4") if c.tune.single_fp4 and c.tune.single_tags and c.tune.down_tiles == 2 else ())
     if not c.tune.single or c.spec.batch_invariant or c.kf_e not in fmts or (c.si and c.kf_s != c.kf_e):
         return None
-    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or 16 * (c.k + 1) > 32 * SINGLE_WARPS:
+    dr = _single_rows(c)
+    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or dr * (c.k + 1) > 32 * SINGLE_WARPS:
         return None
     kc = c.h // 32
     cpu = kc // SINGLE_WARPS
@@ -569,20 +576,29 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     ur = -(-units // target.sm_count)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
-    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
+    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * dr)
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
     static += 16 * c.e + 256  # route_block's keys, scores and group maxima
     # the activations staged for down; with tagged words, the logits before them in the same space
     static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
         static += 4 * dslots * -(-max(c.i, c.si) // 128)
+    if c.kf_e in ("mxfp4", "nvfp4"):  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
+        static += dslots * (max(c.i, c.si) // 32 * (32 if c.kf_e == "mxfp4" else 64) + (16 if c.kf_e == "nvfp4" else 0))
     smem = pieces * _single_piece(c) + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
 
 
 def _single_piece(c: Layer) -> int:
-    """Bytes of one down piece of the one-token kernel: 16 rows x 32 K, BF16 or FP8 codes."""
-    return 512 if c.kf_e == "fp8_block" else 1024
+    """Bytes of one down piece of the one-token kernel: a block's rows (_single_rows) x 32 K, BF16,
+    FP8 or FP4 codes."""
+    return 1024 if c.kf_e == "bf16" else 512
+
+
+def _single_rows(c: Layer) -> int:
+    """A block's down rows in the one-token kernel: 16, or with FP4 codes a whole packed row group
+    of two 16-row tiles (a lane's 16 bytes hold both tiles' codes)."""
+    return 32 if c.kf_e in ("mxfp4", "nvfp4") else 16
 
 
 def single_ksplit(c: Layer) -> int:
@@ -614,7 +630,7 @@ def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
     copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
     bulk copy a piece holds the issuing warp until most of the pieces are in flight."""
-    return c.tune.single_tmap is not False and c.tune.down_tiles > 1
+    return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and _single_rows(c) == 16
 
 
 def single_tensor_maps(c: Layer) -> tuple:

@@ -85,9 +85,11 @@ ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tunin
                      "overlap": Tuning(single_overlap=True), "pieces": Tuning(single_tmap=False),
                      "overlap-pieces": Tuning(single_overlap=True, single_tmap=False)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
-    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces")]
+    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
+    ("qwen3-30b-a3b-mxfp4", "fp4"), ("qwen3-30b-a3b-nvfp4", "fp4"), ("qwen3-30b-a3b-nvfp4", "fp4-overlap")]
 ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_overlap=True), "fp8-t1": Tuning(down_tiles=1),
-                          "fp8-pieces": Tuning(single_tmap=False)})
+                          "fp8-pieces": Tuning(single_tmap=False), "fp4": Tuning(),
+                          "fp4-overlap": Tuning(single_overlap=True)})
 
 
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
@@ -96,7 +98,7 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     group, so one bulk copy per expert; a plain launch; the route overlapped with the first
     gate/up loads (warp 0's route); one bulk copy per piece of down rows instead of a tensor copy
     per operand; FP8 block weights overlapped, with one tile per group, and with a bulk copy per
-    512-byte piece) at N = 1 against the
+    512-byte piece; MXFP4 and NVFP4 weights, NVFP4 overlapped) at N = 1 against the
     reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch

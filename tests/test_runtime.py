@@ -397,6 +397,34 @@ def test_one_token_kernel_for_fp8_block_weights_compiles_and_launches(fake_cuda)
     _check_pointers(fake_cuda, small, splan)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_one_token_kernel_for_fp4_weights_compiles_and_launches(fake_cuda, fmt):
+    """The one-token bucket of an MXFP4 or NVFP4 layer is the one-token kernel on e2m1 codes and
+    their row scales, a block's down rows a whole packed row group (32 rows, with their scales in
+    the same bulk copies; the tuning single_fp4 false, or one down tile a group: four launches):
+    it compiles without spills, fits its shared memory, and gets every scale; the small layer of
+    the format with a shared expert launches it completely."""
+    from moegen.build import render_all
+    from moegen.nvrtc import compile_cuda
+
+    spec = load_spec(ROOT / "specs" / f"qwen3-30b-a3b-{fmt}.yaml")
+    for tuning in (Tuning(single_fp4=False), Tuning(down_tiles=4)):
+        off = make_plan(spec, tuning=tuning)
+        assert off.kernel(off.buckets[0].launches[0].kernel).family != "single"
+    plan = make_plan(spec)
+    (ln,) = plan.buckets[0].launches
+    k = plan.kernel(ln.kernel)
+    assert k.family == "single" and k.name.endswith(f"_{fmt}_sm_90a") and not plan.tensor_maps
+    assert {"w.s13", "w.s2"} <= set(k.arg_keys)
+    res = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch).resources[k.name]
+    assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
+    assert ln.smem + res.smem_bytes <= 227 * 1024
+    small = dict(SPECS)[fmt]
+    splan = make_plan(small)
+    assert splan.kernel(splan.buckets[0].launches[0].kernel).family == "single"
+    _check_pointers(fake_cuda, small, splan)
+
+
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that

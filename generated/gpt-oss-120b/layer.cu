@@ -188,6 +188,31 @@ MOE_DEVICE float e8m0_to_f32(u32 b) {
   return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
 }
 
+// One 16-row matrix's FP4 chunk times a token's B fragment b (its two k-steps' codes q0, q1: 8
+// e2m1 each), into acc (rows g: 0, 1; g + 8: 2, 3). MXFP4: exact bf16 codes through the tensor
+// cores, the rows' E8M0 scales (e_lo, e_hi: bytes) on the fp32 products. NVFP4: the codes times the
+// rows' e4m3 scales in bf16 (sc: row g's in the low half, row g + 8's in the high), exactly (e2m1 x
+// e4m3 has at most 6 significant bits), then the tensor cores; scale_2 multiplies the finished sums.
+MOE_DEVICE void mx_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 e_lo, u32 e_hi) {
+  const uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16(tmp, k0, b.x, b.y);
+  mma_bf16(tmp, k1, b.z, b.w);
+  const float s_lo = e8m0_to_f32(e_lo), s_hi = e8m0_to_f32(e_hi);
+  acc[0] = fmaf(s_lo, tmp[0], acc[0]);
+  acc[1] = fmaf(s_lo, tmp[1], acc[1]);
+  acc[2] = fmaf(s_hi, tmp[2], acc[2]);
+  acc[3] = fmaf(s_hi, tmp[3], acc[3]);
+}
+MOE_DEVICE void nv_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 sc) {
+  const u32 lo = prmt(sc, 0u, 0x1010u), hi = prmt(sc, 0u, 0x3232u);  // each row's scale in both halves
+  uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  k0 = make_uint4(mul_bf16x2(k0.x, lo), mul_bf16x2(k0.y, hi), mul_bf16x2(k0.z, lo), mul_bf16x2(k0.w, hi));
+  k1 = make_uint4(mul_bf16x2(k1.x, lo), mul_bf16x2(k1.y, hi), mul_bf16x2(k1.z, lo), mul_bf16x2(k1.w, hi));
+  mma_bf16(acc, k0, b.x, b.y);
+  mma_bf16(acc, k1, b.z, b.w);
+}
+
 // Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
 // bf16 value. cvt.rn.f16x2.e4m3x2 puts the low byte's value in the low half.
 MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {

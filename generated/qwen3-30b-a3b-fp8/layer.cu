@@ -188,6 +188,31 @@ MOE_DEVICE float e8m0_to_f32(u32 b) {
   return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
 }
 
+// One 16-row matrix's FP4 chunk times a token's B fragment b (its two k-steps' codes q0, q1: 8
+// e2m1 each), into acc (rows g: 0, 1; g + 8: 2, 3). MXFP4: exact bf16 codes through the tensor
+// cores, the rows' E8M0 scales (e_lo, e_hi: bytes) on the fp32 products. NVFP4: the codes times the
+// rows' e4m3 scales in bf16 (sc: row g's in the low half, row g + 8's in the high), exactly (e2m1 x
+// e4m3 has at most 6 significant bits), then the tensor cores; scale_2 multiplies the finished sums.
+MOE_DEVICE void mx_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 e_lo, u32 e_hi) {
+  const uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16(tmp, k0, b.x, b.y);
+  mma_bf16(tmp, k1, b.z, b.w);
+  const float s_lo = e8m0_to_f32(e_lo), s_hi = e8m0_to_f32(e_hi);
+  acc[0] = fmaf(s_lo, tmp[0], acc[0]);
+  acc[1] = fmaf(s_lo, tmp[1], acc[1]);
+  acc[2] = fmaf(s_hi, tmp[2], acc[2]);
+  acc[3] = fmaf(s_hi, tmp[3], acc[3]);
+}
+MOE_DEVICE void nv_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 sc) {
+  const u32 lo = prmt(sc, 0u, 0x1010u), hi = prmt(sc, 0u, 0x3232u);  // each row's scale in both halves
+  uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  k0 = make_uint4(mul_bf16x2(k0.x, lo), mul_bf16x2(k0.y, hi), mul_bf16x2(k0.z, lo), mul_bf16x2(k0.w, hi));
+  k1 = make_uint4(mul_bf16x2(k1.x, lo), mul_bf16x2(k1.y, hi), mul_bf16x2(k1.z, lo), mul_bf16x2(k1.w, hi));
+  mma_bf16(acc, k0, b.x, b.y);
+  mma_bf16(acc, k1, b.z, b.w);
+}
+
 // Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
 // bf16 value. cvt.rn.f16x2.e4m3x2 puts the low byte's value in the low half.
 MOE_DEVICE u32 e4m3x2_to_bf16x2(u32 two) {
@@ -1755,16 +1780,32 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                             const void* tmaps) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
-  constexpr int PIECES = K * KCD + KCDS;          // pieces: 16 rows x 32 K of one chunk (BF16 1 KB, FP8 512 bytes)
+  constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's down rows x 32 K of one chunk (BF16 1 KB,
+                                                  // FP8 512 bytes: 16 rows; FP4 512 bytes: 32 rows)
   constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
   constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
   constexpr int RTILES = ROWS_PAD / 16;
   // FMT: BF16, or FP8 block (e4m3 codes, one 16-byte fragment per lane for two k-steps, exact
   // bf16 through the tensor cores, each 128 x 128 block's scale in fp32; the shared expert's too)
+  // MXFP4 / NVFP4: e2m1 codes, 8 bytes per lane, matrix and chunk (a 16-byte fragment holds a pair
+  // of matrices: gate and up, or down's two tiles of a row group), row scales per 32 (E8M0) or 16
+  // (e4m3, times each matrix's fp32 scale_2) along K; a block's down rows are a whole packed row
+  // group (TPB 2: 32 rows), so one operand's rows and their scales are one contiguous run each.
   constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK;
-  static_assert(FMT == MOE_W_BF16 || FP8, "the one-token kernel: BF16 or FP8 block weights");
-  constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk
-  constexpr int PU4 = AF * 32;            // uint4 of a piece: 16 rows x 32 K
+  constexpr bool MX = FMT == MOE_W_MXFP4, NV = FMT == MOE_W_NVFP4, FP4 = MX || NV;
+  static_assert(FMT == MOE_W_BF16 || FP8 || FP4, "the one-token kernel: BF16, FP8 block, MXFP4 or NVFP4 weights");
+  static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a block's down rows are one row group of two tiles, one bulk copy");
+  constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
+  constexpr int GU = FP4 ? 1 : 2 * AF;    // 16-byte fragments per lane of a gate/up chunk, both matrices
+  constexpr int GCU = GU * 32;            // uint4 of a gate/up tile's chunk
+  constexpr int MT = FP4 ? TPB : 1;       // 16-row tiles of a block's down rows
+  constexpr int DR = 16 * MT;             // a block's down rows
+  constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: DR rows x 32 K
+  // FP4: bytes of one operand's down scales in shared memory (a chunk's: MX TPB x 16 E8M0, NV TPB x 2
+  // x 16 e4m3; NV then the tiles' scale_2, 16 bytes), and of a gate/up tile's
+  constexpr int SCC = MX ? 32 : 64, KCM = KCD > KCDS ? KCD : KCDS;
+  constexpr int SCB = FP4 ? KCM * SCC + (NV ? 16 : 0) : 16;
+  constexpr u32 SCT = (u32)KC * SCC + (NV ? 16 : 0);
   constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
   constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
   constexpr int UNITS = K * TI + TIS;  // gate/up units: 16 rows of one expert
@@ -1778,7 +1819,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
   static_assert(DSLOTS <= 32, "one lane per operand's mbarrier (and bulk copy, TPB 1)");
-  static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
+  static_assert(DSLOTS * DR <= THREADS, "a thread per operand row in the down sums");
   static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
@@ -1793,6 +1834,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // FP8: the block scales of this block's down rows, [operand][128-wide K block]
   constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
   __shared__ float s_dsc[FP8 ? DSLOTS * KBD : 1];
+  // FP4: each operand's down scales (bytes, SCB each), as the packed weights hold them
+  __shared__ __align__(16) unsigned char s_dsc4[FP4 ? DSLOTS * SCB : 16];
   bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
@@ -1811,33 +1854,41 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // this block's 16 output rows r16 of down: request every piece (slot order, then chunks); with
+  // this block's DR output rows rb of down (16 rows, FP4 32): request every piece (slot order, then chunks); with
   // one tile per packed row group (TPB 1) an operand's rows are one contiguous run. With one copy
   // per operand (TMAP, TPB 1) and every choice known to every warp (not OVERLAP), lane 0 of warp s
   // asks for operand s (and lanes of warp s for its FP8 scales): the copies' issue spread over the
   // warps rather than holding warp 0 (and the last operands' copies) back; otherwise warp 0 asks
   // for everything.
-  constexpr bool SPREAD = (TMAP || TPB == 1) && !OVERLAP && DSLOTS <= WARPS;
-  auto request = [&](int r16) {
-    const int group = r16 / TPB, mt = r16 % TPB;  // (the tensor maps fenced after the router)
+  // (FP4: a block's rows of one operand are a whole row group: one bulk copy, and one for its scales)
+  constexpr bool WHOLE = TPB == 1 || FP4;
+  constexpr bool SPREAD = (TMAP || WHOLE) && !OVERLAP && DSLOTS <= WARPS;
+  auto request = [&](int rb) {  // rb: the block's DR rows (16: rb = r16; FP4: a row group)
+    const int group = FP4 ? rb : rb / TPB, mt = FP4 ? 0 : rb % TPB;  // (the tensor maps fenced after the router)
     auto one = [&](int s) {  // operand s's pieces: one tensor copy (tile mt of row group `group`) or one bulk copy
-      mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16);
+      const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
+      mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
       const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
       if (TMAP) {
         if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
         else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
       } else if (s < K) {
-        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / 16) + r16) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
+        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / DR) + rb) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
       } else {
-        bulk_copy(dst, ws2 + (size_t)r16 * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+        bulk_copy(dst, ws2 + (size_t)rb * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+      }
+      if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+        const size_t run = s < K ? (size_t)s_ids[s] * (H / DR) + rb : (size_t)rb;
+        bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
+                  reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
       }
     };
     // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
     auto scales = [&](int i) {
       const int s = i / KBD, kb = i % KBD;
       if (s < K ? kb < I / 128 : kb < IS / 128)
-        cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + r16 / 8) * (I / 128) + kb
-                                   : ss2 + (size_t)(r16 / 8) * (IS / 128) + kb);
+        cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
+                                   : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
     };
     if (SPREAD) {
       if (warp < DSLOTS) {
@@ -1846,7 +1897,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
       if (FP8) cp_async_commit();
     } else if (warp == 0) {
-      if (TMAP || TPB == 1) {
+      if (TMAP || WHOLE) {
         if (lane < DSLOTS) one(lane);
       } else {
         if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
@@ -1925,7 +1976,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
   // (the asking thread waits while the copy engine takes the request).
   if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
-    constexpr size_t N13 = (size_t)TIS * KC * 2 * PU4, N2 = (size_t)(H / 16) * KCDS * PU4;  // uint4
+    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = (size_t)(H / DR) * KCDS * PU4;  // uint4
     const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
     if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
     if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
@@ -1998,8 +2049,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     if (!BLOCK_ROUTE) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
-  // this block's first 16 output rows of down: every piece asked for now
-  if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+  // this block's first DR output rows of down: every piece asked for now
+  if ((int)blockIdx.x < H / DR) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2007,20 +2058,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
     const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
     // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
-    // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) as an offset (so[k], top bit: the shared
-    // expert's), in registers: each load takes its address from them rather than from the
-    // choices in shared memory
+    // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) or (FP4) its tile's scales (bytes: MX s13
+    // [E][tile][chunk][gate, up][16 rows]; NV per tile [chunk][gate, up][2][16 rows], then the two
+    // scale_2) as an offset (so[k], top bit: the shared expert's), in registers: each load takes
+    // its address from them rather than from the choices in shared memory
     const uint4* ub[UR];
     u32 so[UR];
     auto unit_base = [&](int k) {
       const int u = u0 + k * gridDim.x;
       if (u < K * TI) {
         const int e = s_ids[u / TI];
-        ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * (2 * PU4);
-        so[k] = ((u32)e * (I / 128) + (u % TI) / 8) * KB;
+        ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
+        so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
       } else {
-        ub[k] = ws13 + (size_t)(u - K * TI) * KC * (2 * PU4);
-        so[k] = 0x80000000u | (u32)((u - K * TI) / 8) * KB;
+        ub[k] = ws13 + (size_t)(u - K * TI) * KC * GCU;
+        so[k] = 0x80000000u | (FP4 ? (u32)(u - K * TI) * SCT : (u32)((u - K * TI) / 8) * KB);
       }
     };
     auto weights = [&](int k) -> const uint4* {
@@ -2030,33 +2082,51 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         if (k == j) r = ub[j];
       return r;
     };
-    auto scale13 = [&](int k, int m, int c) -> float {
+    auto unit_so = [&](int k) -> u32 {
       u32 o = so[0];
 #pragma unroll
       for (int j = 1; j < UR; ++j)
         if (k == j) o = so[j];
+      return o;
+    };
+    auto scale13 = [&](int k, int m, int c) -> float {
+      const u32 o = unit_so(k);
       return __ldg((o >> 31 ? ss13 + (size_t)m * (IS / 128) * KB : s13 + (size_t)m * E * (I / 128) * KB) + (o & 0x7fffffffu) + c / 4);
+    };
+    // FP4: unit k's tile scales (bytes), and the four of chunk c this lane's rows (g, g + 8) take
+    // of gate (m = 0) and up: MX bytes (gate g, gate g+8, up g, up g+8); NV (gate g, up g, gate g+8,
+    // up g+8), as e4m3x4_to_bf16x4 pairs them
+    auto tile_scales = [&](u32 o) {
+      return reinterpret_cast<const unsigned char*>(o >> 31 ? ss13 : s13) + (o & 0x7fffffffu);
+    };
+    auto scales4 = [&](int k, int c) -> u32 {
+      const unsigned char* b = tile_scales(unit_so(k)) + c * SCC;
+      if (MX) return (u32)__ldg(b + g) | (u32)__ldg(b + g + 8) << 8 | (u32)__ldg(b + 16 + g) << 16 | (u32)__ldg(b + 24 + g) << 24;
+      b += (t >> 1) * 16 + g;
+      return (u32)__ldg(b) | (u32)__ldg(b + 32) << 8 | (u32)__ldg(b + 8) << 16 | (u32)__ldg(b + 40) << 24;
     };
     unit_base(0);
     // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
-    // their FP8 scales)
+    // their FP8 or FP4 scales)
     const int q_end = nu * CPU;
-    uint4 buf[P][2 * AF];
+    uint4 buf[P][GU];
     float scl[P][2];
-    auto load = [&](int q, uint4 (&b)[2 * AF], float (&sc)[2]) {
+    u32 sq[P];
+    auto load = [&](int q, uint4 (&b)[GU], float (&sc)[2], u32& s4) {
       if (q < q_end) {
         const int c = warp + (q % CPU) * WARPS;
-        const uint4* a = weights(q / CPU) + (size_t)c * (2 * PU4) + lane;
+        const uint4* a = weights(q / CPU) + (size_t)c * GCU + lane;
 #pragma unroll
-        for (int f = 0; f < 2 * AF; ++f) b[f] = __ldcs(a + f * 32);
+        for (int f = 0; f < GU; ++f) b[f] = __ldcs(a + f * 32);
         if (FP8) {
 #pragma unroll
           for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
         }
+        if (FP4) s4 = scales4(q / CPU, c);
       }
     };
 #pragma unroll
-    for (int s = 0; s < P; ++s) load(s, buf[s], scl[s]);
+    for (int s = 0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);
     // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
     if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
 #pragma unroll
@@ -2074,7 +2144,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+          if (MX) {  // gate's k-steps in x, y; up's in z, w
+            mx_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, (sq[s] >> (16 * m)) & 0xffu,
+                   (sq[s] >> (16 * m + 8)) & 0xffu);
+          } else if (NV) {
+            const uint2 sc = e4m3x4_to_bf16x4(sq[s]);  // (gate g, gate g + 8), (up g, up g + 8)
+            nv_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, m ? sc.y : sc.x);
+          } else if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
             uint4 k0, k1;
             e4m3x16_to_bf16(buf[s][m], k0, k1);
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -2087,7 +2163,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
           }
         }
-        load(q + P, buf[s], scl[s]);
+        load(q + P, buf[s], scl[s], sq[s]);
         if ((q + 1) % CPU == 0) {  // the end of unit q / CPU: this warp's partial sums
           if (t == 0) {
             float* rk = red + ((q / CPU) * WARPS + warp) * 32;
@@ -2112,6 +2188,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         gv += red[(k * WARPS + w) * 32 + r];
         uv += red[(k * WARPS + w) * 32 + 16 + r];
       }
+      if (NV) {  // the tile's scale_2 of gate and up (after its scales)
+        const float* s2t = reinterpret_cast<const float*>(tile_scales(unit_so(k)) + KC * SCC);
+        gv *= __ldg(s2t);
+        uv *= __ldg(s2t + 1);
+      }
       const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
       const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
       if (TAGS) {
@@ -2127,10 +2208,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
-  // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
+  // 4. down + the weighted sum, DR output rows at a time. The activations are staged in shared
   // memory by the whole block: (TAGS) loaded until every one carries this call's epoch, or copied
   // from L2 (other blocks wrote them, before the barrier).
-  if ((int)blockIdx.x < H / 16) {
+  if ((int)blockIdx.x < H / DR) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
     if (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
@@ -2167,11 +2248,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
   u32 parity = 0;
-  for (int r16 = blockIdx.x; r16 < H / 16; r16 += gridDim.x) {
-    if (r16 != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
+  for (int rb = blockIdx.x; rb < H / DR; rb += gridDim.x) {
+    if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
-      request(r16);
+      request(rb);
       if (FP8) {
         cp_async_wait<0>();
         __syncthreads();
@@ -2184,24 +2265,39 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // not its bandwidth, bounded it)
 #pragma unroll 1
     for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
-    // operands a group: 8 or fewer in groups of 4 unless exactly 8, more in two halves (the
-    // accumulators and loads of one group in registers, no spills for the shapes compiled here)
-    constexpr int DG = DSLOTS == 8 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
+    // operands a group: 8 or fewer in groups of 4 unless exactly 8 (FP4, two tiles each: 4), more
+    // in two halves (the accumulators and loads of one group in registers, no spills for the
+    // shapes compiled here)
+    constexpr int DG = DSLOTS == 8 && !FP4 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
 #pragma unroll 1
     for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
-      float o[DG][4];
+      float o[DG][MT][4];
 #pragma unroll
       for (int j = 0; j < DG; ++j) {
         const int s = s0 + j, base = s * KCD, kcd = s < K ? KCD : s < DSLOTS ? KCDS : 0;
         const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[j][mt][r] = 0.0f;
 #pragma unroll
         for (int i = 0; i < CWM; ++i) {
           const int c = c0 + i * WARPS;
           if (c < kcd) {
             const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
-            if (FP8) {
+            if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+              const uint4 q = pieces[(base + c) * PU4 + lane];
+              const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                if (MX) {
+                  mx_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
+                } else {
+                  const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
+                  nv_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
+                }
+              }
+            } else if (FP8) {
               uint4 k0, k1;
               e4m3x16_to_bf16(pieces[(base + c) * PU4 + lane], k0, k1);
               float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -2209,10 +2305,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
               mma_bf16(tmp, k1, b.z, b.w);
               const float sc = s_dsc[s * KBD + c / 4];
 #pragma unroll
-              for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
+              for (int r = 0; r < 4; ++r) o[j][0][r] = fmaf(sc, tmp[r], o[j][0][r]);
             } else {
-              mma_bf16(o[j], pieces[(base + c) * PU4 + lane], b.x, b.y);
-              mma_bf16(o[j], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
+              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane], b.x, b.y);
+              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
             }
           }
         }
@@ -2221,30 +2317,34 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
         for (int j = 0; j < DG; ++j) {
           if (s0 + j < DSLOTS) {
-            red[(warp * DSLOTS + s0 + j) * 16 + g] = o[j][0];
-            red[(warp * DSLOTS + s0 + j) * 16 + g + 8] = o[j][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g] = o[j][mt][0];
+              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g + 8] = o[j][mt][2];
+            }
           }
         }
       }
     }
     parity ^= 1;
     __syncthreads();
-    float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
-    if (threadIdx.x < DSLOTS * 16) {
-      const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
+    float* ys = red + WARPS * DSLOTS * DR;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * DR) {
+      const int s = threadIdx.x / DR, r = threadIdx.x % DR;
       float y = 0.0f;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
-      ys[s * 16 + r] = y;
+      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * DR + r];
+      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[r / 16];  // tile's scale_2
+      ys[s * DR + r] = y;
     }
     __syncthreads();
-    if (threadIdx.x < 16) {  // row r: the choices in order, then the shared expert
+    if (threadIdx.x < DR) {  // row r: the choices in order, then the shared expert
       const int r = threadIdx.x;
       float acc = 0.0f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
-      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
-      out[r16 * 16 + r] = f32_to_bf16(acc);
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * DR + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * DR + r], acc);
+      out[rb * DR + r] = f32_to_bf16(acc);
     }
     __syncthreads();
   }

@@ -4,7 +4,7 @@
 // E=128 routed experts, top-8, H=2048, I=768.
 // Routing: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 9437184 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -186,6 +186,31 @@ MOE_DEVICE float e4m3_to_f32(u32 b) {
 // E8M0 scale byte: 2^(b - 127); 0 is 2^-127 (an fp32 subnormal), 255 is NaN.
 MOE_DEVICE float e8m0_to_f32(u32 b) {
   return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
+}
+
+// One 16-row matrix's FP4 chunk times a token's B fragment b (its two k-steps' codes q0, q1: 8
+// e2m1 each), into acc (rows g: 0, 1; g + 8: 2, 3). MXFP4: exact bf16 codes through the tensor
+// cores, the rows' E8M0 scales (e_lo, e_hi: bytes) on the fp32 products. NVFP4: the codes times the
+// rows' e4m3 scales in bf16 (sc: row g's in the low half, row g + 8's in the high), exactly (e2m1 x
+// e4m3 has at most 6 significant bits), then the tensor cores; scale_2 multiplies the finished sums.
+MOE_DEVICE void mx_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 e_lo, u32 e_hi) {
+  const uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16(tmp, k0, b.x, b.y);
+  mma_bf16(tmp, k1, b.z, b.w);
+  const float s_lo = e8m0_to_f32(e_lo), s_hi = e8m0_to_f32(e_hi);
+  acc[0] = fmaf(s_lo, tmp[0], acc[0]);
+  acc[1] = fmaf(s_lo, tmp[1], acc[1]);
+  acc[2] = fmaf(s_hi, tmp[2], acc[2]);
+  acc[3] = fmaf(s_hi, tmp[3], acc[3]);
+}
+MOE_DEVICE void nv_mma(float (&acc)[4], u32 q0, u32 q1, const uint4& b, u32 sc) {
+  const u32 lo = prmt(sc, 0u, 0x1010u), hi = prmt(sc, 0u, 0x3232u);  // each row's scale in both halves
+  uint4 k0 = e2m1x8_to_bf16x8(q0), k1 = e2m1x8_to_bf16x8(q1);
+  k0 = make_uint4(mul_bf16x2(k0.x, lo), mul_bf16x2(k0.y, hi), mul_bf16x2(k0.z, lo), mul_bf16x2(k0.w, hi));
+  k1 = make_uint4(mul_bf16x2(k1.x, lo), mul_bf16x2(k1.y, hi), mul_bf16x2(k1.z, lo), mul_bf16x2(k1.w, hi));
+  mma_bf16(acc, k0, b.x, b.y);
+  mma_bf16(acc, k1, b.z, b.w);
 }
 
 // Two e4m3 codes (low byte first) as two bf16 in one register, exactly: every e4m3 value is a
@@ -1339,6 +1364,999 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
   out[(size_t)tk * H + h] = f32_to_bf16(acc);
 }
 
+// ---- one token, one launch: router, route, gate/up and down + weighted sum in a single grid ----
+// At N = 1 a fine-grained layer reads tens of MB in a few microseconds, and the dependent-launch
+// chain (router -> gate/up -> down) costs about as much as the bytes: each kernel's start, its
+// first memory round trip and its drain are exposed. This kernel runs the whole layer in one
+// grid of one block per multiprocessor, all resident (a cooperative launch):
+//
+//   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
+//      shared expert's weights asked for into L2 meanwhile (they do not depend on the route);
+//   -- every block waits for all of them --
+//   2. every block routes the token itself (into its shared memory; with route_one's rules the
+//      whole block at once, route_block), then asks the copy engine for its whole share of the
+//      down weights (its 16 output rows of every chosen expert, and of the shared expert: one
+//      tensor copy per operand, or one bulk copy per piece or per operand), which stream into
+//      shared memory while it computes gate/up: the memory is never idle between gate/up and
+//      down;
+//   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
+//      chunks of weights in flight in registers; activations to global;
+//   -- every block waits for all of them --
+//   4. down: the block's rows of every expert from shared memory, the activations from L2, all
+//      of a warp's products issued together; the partial sums added in warp order, then the
+//      choices in choice order: out, in bf16.
+//
+// The two waits are grid barriers (one word, ws.gbar, whose top bit flips at each barrier), or
+// with TAGS none: each partial logit and each activation is written with the call's epoch in
+// the same word (a 64-bit logit: value, epoch; a 32-bit activation: bf16, low 16 bits of the
+// epoch), and the readers load them until every epoch is this call's. A barrier costs the last
+// arrival's round trip to L2, the pollers' round trip and then the data's; a tagged read only
+// the data's. The epoch (ws.epoch[0]) is read by every block at its start (each counts itself in
+// ws.epoch[1]); block 0 advances it at its end, once every block has read it. The call before
+// has finished when a block starts reading (griddepcontrol.wait), so its words carry an older
+// epoch, and the workspace starts zeroed (epoch 0, never a call's).
+//
+// No floating-point atomics; every sum has a fixed order (the result is the same run to run).
+// BF16 or FP8 block weights (the shared expert in the routed experts' format), no expert
+// parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives this
+// kernel only such layers, and the shapes it fits.
+
+// Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
+// 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
+// is. The word is never reset. Each block reads the top bit once, before its first arrival (the
+// bit cannot flip before every block has arrived), so that its arrivals need no reply: a
+// release reduction, then polls until the bit differs from the one it had before (`phase`,
+// which each barrier flips).
+MOE_DEVICE void grid_barrier(unsigned* bar, unsigned& phase) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    __threadfence();  // this block's writes, before its arrival
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(bar), "r"(add) : "memory");
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    } while ((now & 0x80000000u) == phase);
+    phase ^= 0x80000000u;
+  }
+  __syncthreads();
+}
+
+// A 1-D bulk copy global -> shared, completing `bytes` of the mbarrier's transaction count.
+MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// A tensor copy global -> shared of one box of a tensor map (in global memory, 128 bytes), at
+// coordinates c (innermost first), completing its bytes on the mbarrier.
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Tagged words (TAGS): relaxed gpu-scope accesses, each single-copy atomic (value and epoch together).
+MOE_DEVICE void st_tagged(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MOE_DEVICE unsigned long long ld_tagged(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MOE_DEVICE void st_tagged(u32* p, u32 v) { asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+MOE_DEVICE uint4 ld_tagged4(const u32* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// The choices' weights, by one warp, from their scores (pick, in choice order): route_one's and
+// route_block's rules. all: (LOGIT_ORDER without RENORM) the sum over every expert of exp(l - the
+// largest l).
+template <int K, class R>
+MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  const int lane = threadIdx.x & 31;
+  const float my_v = lane < K ? pick[lane] : 0.0f;
+  float w = my_v;
+  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / (R::RENORM ? warp_sum(w) : all);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / warp_sum(w);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    w = 1.0f / (1.0f + expf(-my_v));
+  }
+  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
+  w *= R::SCALE;
+  if (lane < K) w_out[lane] = w;
+}
+
+// One expert's logit as the rule sees it (its router bias added, rounded to bf16 where the rule's
+// logits are), and its score where the score is a function of the logit alone (sigmoid,
+// sqrt-softplus; the logit itself otherwise: softmax scores need every expert).
+template <class R>
+MOE_DEVICE float route_logit(float s, const float* __restrict__ router_bias, int e) {
+  if (R::ROUTER_BIAS) s += router_bias[e];
+  return R::LOGITS_BF16 ? bf16_to_f32(f32_to_bf16(s)) : s;
+}
+template <class R>
+MOE_DEVICE float route_score(float s) {
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
+  return s;
+}
+
+// The route of the one token, by warp 0, for the rules without expert groups, hash tables,
+// identity experts or SparseMixer (the others take route_body): the same choices as route_body
+// (the k largest selection values, equal values: the lower expert). Lane l holds experts
+// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts) and keeps its best remaining
+// value between the k rounds (a pairwise tree over its values); each round takes the warp's
+// largest key and the lowest lane holding it (one reduction and one ballot), and only that lane
+// looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
+// L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
+// ids, w, gate (shared memory).
+// OVERLAP: once the first `need` choices are in ids, every lane arrives on the mbarrier `first` (the
+// other warps, waiting on it, start streaming their first unit; each lane's arrival releases its
+// own writes of choices).
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP = false>
+MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
+                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0,
+                          u32 first = 0) {
+  constexpr int EPL = (E + 31) / 32;
+  __shared__ float s_pick[K];
+  const int lane = threadIdx.x & 31;
+  float v[EPL], sel[EPL];
+  float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) v[i] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < KSPLIT; ++p) {
+    const float* row = logits + (size_t)p * PSTRIDE + lane * EPL;
+    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts are contiguous
+#pragma unroll
+      for (int i = 0; i < EPL; i += 4) {
+        const float4 q = SMEM ? *reinterpret_cast<const float4*>(row + i) : __ldcg(reinterpret_cast<const float4*>(row + i));
+        v[i] += q.x;
+        v[i + 1] += q.y;
+        v[i + 2] += q.z;
+        v[i + 3] += q.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane * EPL + i < E) v[i] += SMEM ? row[i] : __ldcg(row + i);
+    }
+    if (SHARED_GATE && lane == 0) gl += SMEM ? logits[p * PSTRIDE + E] : __ldcg(logits + (size_t)p * PSTRIDE + E);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;
+  }
+  // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
+  // the logits' order (equal logits: equal scores, the lower expert first), so the route picks
+  // the k largest logits and computes the k weights alone (LOGIT_ORDER), with no pass over the
+  // experts' scores.
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  if (LOGIT_ORDER) {
+  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+    float mx = MOE_NEG_INF;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      v[i] = lane * EPL + i < E ? expf(v[i] - mx) : 0.0f;
+      sum += v[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = route_score<R>(v[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+  }
+  float lv, ls;  // this lane's best remaining selection value, its score, its slot i
+  int li;
+  auto best = [&]() {  // pairwise tree; equal values: the left (lower) slot
+    float bv[EPL], bs[EPL];
+    int bi[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      bv[i] = sel[i];
+      bs[i] = v[i];
+      bi[i] = i;
+    }
+#pragma unroll
+    for (int w = 1; w < EPL; w *= 2)
+#pragma unroll
+      for (int i = 0; i + w < EPL; i += 2 * w)
+        if (bv[i + w] > bv[i]) {
+          bv[i] = bv[i + w];
+          bs[i] = bs[i + w];
+          bi[i] = bi[i + w];
+        }
+    lv = bv[0];
+    ls = bs[0];
+    li = bi[0];
+  };
+  best();
+  if (OVERLAP && need == 0) mbar_arrive(first);
+#pragma unroll 1
+  for (int j = 0; j < K; ++j) {
+    const u32 key = order_key(lv);
+    const u32 kmax = __reduce_max_sync(0xffffffffu, key);
+    const int owner = __ffs(__ballot_sync(0xffffffffu, key == kmax)) - 1;
+    if (lane == owner) {
+      ids[j] = lane * EPL + li;
+      s_pick[j] = ls;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i == li) sel[i] = MOE_NEG_INF;
+      best();
+    }
+    if (OVERLAP && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
+      __syncwarp();
+      mbar_arrive(first);
+    }
+  }
+  __syncwarp();
+  float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
+  if (LOGIT_ORDER && !R::RENORM) {
+    const float top = s_pick[0];  // the first choice: the largest logit
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    all = warp_sum(all);
+  }
+  route_weights<K, R>(s_pick, all, w_out);
+  if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
+}
+
+// Whether route_block takes a rule: every expert's selection value a function of its own logit
+// (not a softmax over all experts ahead of a correction bias), one expert per thread, at most 16
+// choices.
+template <int E, int K, class R, int THREADS>
+struct RouteBlockFits {
+  static constexpr bool value = !(!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && R::CORR_BIAS) && E <= THREADS &&
+                                K <= 16 && E >= K;
+};
+
+// The route of the one token by the whole block (route_one's rules where RouteBlockFits): the
+// same choices, in the same order, into ids; their scores into pick, every expert's score (for
+// a softmax over all experts) into v_all and the shared gate's logit into gl, for
+// route_block_weights, which runs later, off the path to the first expert byte. Expert e's
+// selection value becomes one 64-bit key, its order key above ~e (a larger value first; equal
+// values: the lower expert), and its choice slot is its rank: the keys above it, counted.
+//  - E <= THREADS / 4: every rank counted directly, RG threads an expert, each comparing a strided
+//    E / RG of the keys (one barrier between the keys and the ranks);
+//  - else NG <= 32 groups of G experts (G the smallest power of two that makes so few; NG >= K)
+//    take their largest key; the K-th largest group maximum T bounds the K-th largest key from
+//    below (K groups each hold a key >= T), so the choices are among the keys >= T, about K of
+//    them: those are gathered (in any order) and ranked among themselves (two barriers).
+// The partial logits: part p at logits + p * PSTRIDE (shared memory).
+template <int E, int K, int KSPLIT, int PSTRIDE, bool SHARED_GATE, class R, int THREADS>
+MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_bias,
+                            const float* __restrict__ router_bias, int* ids, float* pick, float* v_all, float* gl) {
+  static_assert(RouteBlockFits<E, K, R, THREADS>::value, "route_block's rules");
+  constexpr bool DIRECT = 4 * E <= THREADS;
+  constexpr int RG = THREADS / E >= 32 ? 32 : THREADS / E >= 16 ? 16 : THREADS / E >= 8 ? 8 : 4;  // DIRECT: threads an expert
+  constexpr int G = E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= 256 ? 8 : 16;
+  constexpr int NG = (E + G - 1) / G;
+  static_assert(DIRECT || (NG >= K && NG <= 32), "route_block's groups");
+  __shared__ __align__(16) u32 s_gmax[(NG + 3) / 4 * 4];
+  __shared__ int s_cnt;
+  __shared__ unsigned long long s_ck[E];  // the keys (DIRECT: expert e's at e; else the candidates')
+  __shared__ float s_cv[E];               // their scores
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float v = MOE_NEG_INF;
+  u32 key = 0;  // below every expert's
+  if (tid < E) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + tid];
+    s = route_score<R>(route_logit<R>(s, router_bias, tid));
+    v = s;
+    v_all[tid] = s;
+    key = order_key(s + (R::CORR_BIAS ? corr_bias[tid] : 0.0f));
+  }
+  if (SHARED_GATE && tid == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + E];
+    *gl = s;
+  }
+  if constexpr (DIRECT) {
+    if (tid < E) {
+      s_ck[tid] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[tid] = v;
+    }
+    __syncthreads();
+    const int e = tid / RG, q = tid % RG;  // expert e's rank, part q: keys q, q + RG, ... (no bank conflicts)
+    int rank = 0;
+    if (e < E) {
+      const unsigned long long my = s_ck[e];
+#pragma unroll
+      for (int j = q; j < E; j += RG) rank += s_ck[j] > my;
+    }
+#pragma unroll
+    for (int o = 1; o < RG; o *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    if (e < E && q == 0 && rank < K) {
+      ids[rank] = e;
+      pick[rank] = s_cv[e];
+    }
+  } else {
+    u32 gm = key;
+#pragma unroll
+    for (int o = 1; o < G; o *= 2) gm = max(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    if (tid % G == 0 && tid / G < NG) s_gmax[tid / G] = gm;
+    if (tid == 0) s_cnt = 0;
+    __syncthreads();
+    // every warp holding experts: T, the group maximum with K - 1 before it (lane l ranks group
+    // l, the maxima read 4 at a time)
+    u32 thr = 0;
+    if (warp * 32 < E) {
+      const u32 m = lane < NG ? s_gmax[lane] : 0u;
+      int rank = 0;
+#pragma unroll
+      for (int w4 = 0; w4 < NG; w4 += 4) {
+        const uint4 q = *reinterpret_cast<const uint4*>(s_gmax + w4);
+        const u32 o[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int w = w4; w < w4 + 4 && w < NG; ++w) rank += o[w - w4] > m || (o[w - w4] == m && w < lane);
+      }
+      thr = __shfl_sync(0xffffffffu, m, __ffs(__ballot_sync(0xffffffffu, lane < NG && rank == K - 1)) - 1);
+    }
+    if (tid < E && key >= thr) {
+      const int i = atomicAdd(&s_cnt, 1);
+      s_ck[i] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[i] = v;
+    }
+    __syncthreads();
+    const int C = s_cnt;
+    for (int i = tid; i < C; i += THREADS) {
+      const unsigned long long ki = s_ck[i];
+      int rank = 0;
+#pragma unroll 4
+      for (int j = 0; j < C; ++j) rank += s_ck[j] > ki;
+      if (rank < K) {
+        ids[rank] = (int)~(u32)ki;
+        pick[rank] = s_cv[i];
+      }
+    }
+  }
+}
+
+// route_block's weights (warp 0): the choices' from their scores (a softmax over all experts:
+// exp(v - the largest v) summed over v_all, in lane order), the shared-expert gate.
+template <int E, int K, bool SHARED_GATE, class R>
+MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const float* gl, float* w_out, float* gate) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  float sum = 0.0f;
+  if (LOGIT_ORDER && !R::RENORM) {
+    const float top = pick[0];  // the first choice: the largest logit
+    for (int e = threadIdx.x & 31; e < E; e += 32) sum += expf(v_all[e] - top);
+    sum = warp_sum(sum);
+  }
+  route_weights<K, R>(pick, sum, w_out);
+  if (SHARED_GATE && threadIdx.x == 0) *gate = 1.0f / (1.0f + expf(-*gl));
+}
+
+// KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
+// row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
+// (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
+// grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): the other warps start
+// streaming this block's first gate/up unit as soon as warp 0's route has chosen its expert (an
+// mbarrier, route_mem[0]), and go past their first unit's loads once the route is whole (route_mem[1]).
+// Without TAGS: logits, act, act_s, gbar;
+// with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
+template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP>
+MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
+                            const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
+                            const uint4* __restrict__ ws2, const float* __restrict__ s13,
+                            const float* __restrict__ ss13, const float* __restrict__ s2,
+                            const float* __restrict__ ss2, const bf16_t* __restrict__ xr_in,
+                            const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
+                            const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
+                            int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
+                            bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch,
+                            const void* tmaps) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
+  constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's down rows x 32 K of one chunk (BF16 1 KB,
+                                                  // FP8 512 bytes: 16 rows; FP4 512 bytes: 32 rows)
+  constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
+  constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
+  constexpr int RTILES = ROWS_PAD / 16;
+  // FMT: BF16, or FP8 block (e4m3 codes, one 16-byte fragment per lane for two k-steps, exact
+  // bf16 through the tensor cores, each 128 x 128 block's scale in fp32; the shared expert's too)
+  // MXFP4 / NVFP4: e2m1 codes, 8 bytes per lane, matrix and chunk (a 16-byte fragment holds a pair
+  // of matrices: gate and up, or down's two tiles of a row group), row scales per 32 (E8M0) or 16
+  // (e4m3, times each matrix's fp32 scale_2) along K; a block's down rows are a whole packed row
+  // group (TPB 2: 32 rows), so one operand's rows and their scales are one contiguous run each.
+  constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK;
+  constexpr bool MX = FMT == MOE_W_MXFP4, NV = FMT == MOE_W_NVFP4, FP4 = MX || NV;
+  static_assert(FMT == MOE_W_BF16 || FP8 || FP4, "the one-token kernel: BF16, FP8 block, MXFP4 or NVFP4 weights");
+  static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a block's down rows are one row group of two tiles, one bulk copy");
+  constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
+  constexpr int GU = FP4 ? 1 : 2 * AF;    // 16-byte fragments per lane of a gate/up chunk, both matrices
+  constexpr int GCU = GU * 32;            // uint4 of a gate/up tile's chunk
+  constexpr int MT = FP4 ? TPB : 1;       // 16-row tiles of a block's down rows
+  constexpr int DR = 16 * MT;             // a block's down rows
+  constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: DR rows x 32 K
+  // FP4: bytes of one operand's down scales in shared memory (a chunk's: MX TPB x 16 E8M0, NV TPB x 2
+  // x 16 e4m3; NV then the tiles' scale_2, 16 bytes), and of a gate/up tile's
+  constexpr int SCC = MX ? 32 : 64, KCM = KCD > KCDS ? KCD : KCDS;
+  constexpr int SCB = FP4 ? KCM * SCC + (NV ? 16 : 0) : 16;
+  constexpr u32 SCT = (u32)KC * SCC + (NV ? 16 : 0);
+  constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
+  constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
+  constexpr int UNITS = K * TI + TIS;  // gate/up units: 16 rows of one expert
+  // route_one's rules (no expert groups, hash tables, SparseMixer, identity experts or expert
+  // parallelism); the route by the whole block where it fits (route_block; its weights computed
+  // in the down phase)
+  constexpr bool ONE_RULES = !RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
+                             RouteRule::ZERO == 0 && !RouteRule::EP;
+  constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
+  constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
+  static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
+  static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
+  static_assert(DSLOTS <= 32, "one lane per operand's mbarrier (and bulk copy, TPB 1)");
+  static_assert(DSLOTS * DR <= THREADS, "a thread per operand row in the down sums");
+  static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
+  extern __shared__ __align__(128) uint4 dyn[];
+  uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
+  float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
+  __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
+  // OVERLAP: mbarriers of the route, warp 0's 32 lanes arriving on each: the block's first unit's
+  // choice, every choice
+  __shared__ __align__(8) unsigned long long route_mem[2];
+  // TAGS: the partial logits (route), then the activations (down), staged here
+  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
+  __shared__ __align__(16) unsigned char s_stage[STAGE];
+  // FP8: the block scales of this block's down rows, [operand][128-wide K block]
+  constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
+  __shared__ float s_dsc[FP8 ? DSLOTS * KBD : 1];
+  // FP4: each operand's down scales (bytes, SCB each), as the packed weights hold them
+  __shared__ __align__(16) unsigned char s_dsc4[FP4 ? DSLOTS * SCB : 16];
+  bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
+  float* s_log = reinterpret_cast<float*>(s_stage);
+  __shared__ int s_ids[K];
+  __shared__ float s_w[K], s_gate[1];
+  // route_block: the choices' scores, every expert's score, the shared gate's logit
+  __shared__ float s_pick[K], s_vall[BLOCK_ROUTE ? E : 1], s_gl;
+  __shared__ u32 s_ep;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
+  const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: the first unit's choice; + 8: every choice
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
+    if (OVERLAP) {
+      mbar_init(rbar, 32);
+      mbar_init(rbar + 8, 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // this block's DR output rows rb of down (16 rows, FP4 32): request every piece (slot order, then chunks); with
+  // one tile per packed row group (TPB 1) an operand's rows are one contiguous run. With one copy
+  // per operand (TMAP, TPB 1) and every choice known to every warp (not OVERLAP), lane 0 of warp s
+  // asks for operand s (and lanes of warp s for its FP8 scales): the copies' issue spread over the
+  // warps rather than holding warp 0 (and the last operands' copies) back; otherwise warp 0 asks
+  // for everything.
+  // (FP4: a block's rows of one operand are a whole row group: one bulk copy, and one for its scales)
+  constexpr bool WHOLE = TPB == 1 || FP4;
+  constexpr bool SPREAD = (TMAP || WHOLE) && !OVERLAP && DSLOTS <= WARPS;
+  auto request = [&](int rb) {  // rb: the block's DR rows (16: rb = r16; FP4: a row group)
+    const int group = FP4 ? rb : rb / TPB, mt = FP4 ? 0 : rb % TPB;  // (the tensor maps fenced after the router)
+    auto one = [&](int s) {  // operand s's pieces: one tensor copy (tile mt of row group `group`) or one bulk copy
+      const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
+      mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
+      const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
+      if (TMAP) {
+        if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
+        else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
+      } else if (s < K) {
+        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / DR) + rb) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
+      } else {
+        bulk_copy(dst, ws2 + (size_t)rb * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+      }
+      if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+        const size_t run = s < K ? (size_t)s_ids[s] * (H / DR) + rb : (size_t)rb;
+        bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
+                  reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
+      }
+    };
+    // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
+    auto scales = [&](int i) {
+      const int s = i / KBD, kb = i % KBD;
+      if (s < K ? kb < I / 128 : kb < IS / 128)
+        cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
+                                   : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
+    };
+    if (SPREAD) {
+      if (warp < DSLOTS) {
+        if (lane == 0) one(warp);
+        if (FP8 && lane < KBD) scales(warp * KBD + lane);
+      }
+      if (FP8) cp_async_commit();
+    } else if (warp == 0) {
+      if (TMAP || WHOLE) {
+        if (lane < DSLOTS) one(lane);
+      } else {
+        if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
+        __syncwarp();
+        for (int p = lane; p < PIECES; p += 32) {  // one bulk copy per piece
+          const uint4* src;
+          if (p < K * KCD) {
+            const int j = p / KCD, c = p % KCD;
+            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + AF * mt) * 32;
+          } else {
+            const int c = p - K * KCD;
+            src = ws2 + (((size_t)group * KCDS + c) * AUD + AF * mt) * 32;
+          }
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
+        }
+      }
+      if (FP8) {
+        for (int i = lane; i < DSLOTS * KBD; i += 32) scales(i);
+        cp_async_commit();
+      }
+    }
+  };
+  // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
+  // The first unit's weights are read before the wait: they do not depend on the kernel before.
+  uint4 ra[RC][2];
+  auto router_weights = [&](int u) {
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const uint4* a = wr + ((size_t)(u / KSPLIT) * KC + (u % KSPLIT) * (KC / KSPLIT) + c) * 64 + lane;
+        ra[j][0] = __ldg(a);
+        ra[j][1] = __ldg(a + 32);
+      }
+    }
+  };
+  if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);
+  grid_dep_wait();  // x (and the last call's readers of this workspace) are done
+  // thread 0 asks for the barrier word (its top bit: the phase) or the last call's epoch now, and
+  // waits for it only where it is used (the router's products wait for x meanwhile)
+  unsigned word = 0, phase = 0;
+  if (threadIdx.x == 0)
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(word) : "l"(TAGS ? epoch : gbar) : "memory");
+  for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
+    const int tile = u / KSPLIT, part = u % KSPLIT;
+    if (u != (int)blockIdx.x) router_weights(u);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const int ck = part * (KC / KSPLIT) + c;
+        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xr_in + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        mma_bf16(acc, ra[j][0], b.x, b.y);
+        mma_bf16(acc, ra[j][1], b.z, b.w);
+      }
+    }
+    if (t == 0) {
+      red[warp * 16 + g] = acc[0];
+      red[warp * 16 + g + 8] = acc[2];
+    }
+    if (TAGS && threadIdx.x == 0) s_ep = word + 1;  // this call's epoch
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      float s = 0.0f;
+      for (int w = 0; w < WARPS; ++w) s += red[w * 16 + threadIdx.x];
+      if (TAGS) {
+        st_tagged(tl + part * ROWS_PAD + tile * 16 + threadIdx.x, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
+      } else {
+        logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
+      }
+    }
+    __syncthreads();
+  }
+  // The shared expert's weights do not depend on the route: every block asks for its share of
+  // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
+  // (the asking thread waits while the copy engine takes the request).
+  if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
+    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = (size_t)(H / DR) * KCDS * PU4;  // uint4
+    const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
+    if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
+    if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
+  }
+  // TMAP: the maps (written before the launch) as the tensor copies will see them, fenced by the
+  // last warp while the block waits for the logits (the fence waits about a round trip)
+  if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                 ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
+  if (TAGS) {
+    if (threadIdx.x == 0) s_ep = word + 1;
+    __syncthreads();
+    // this block has read the epoch (the value was used above): count it, for block 0's advance
+    if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(epoch + 1) : "memory");
+  } else {
+    phase = word & 0x80000000u;
+    grid_barrier(gbar, phase);
+  }
+  const u32 ep = TAGS ? s_ep : 0u;
+
+  // 2. the route, in every block (the same inputs, the same code: the same choices). Slot j of
+  // the expert work is choice j (one token: no grouping).
+  if constexpr (TAGS) {  // every partial logit into shared memory, loaded until each is this call's
+    constexpr int PER = (NLOG + THREADS - 1) / THREADS;
+    for (;;) {
+      bool stale = false;
+      unsigned long long q[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if ((int)threadIdx.x + i * THREADS < NLOG) q[i] = ld_tagged(tl + threadIdx.x + i * THREADS);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int f = (int)threadIdx.x + i * THREADS;
+        if (f < NLOG) {  // every row of every tile is written each call (padding rows too)
+          stale |= (u32)(q[i] >> 32) != ep;
+          s_log[f] = __uint_as_float((u32)q[i]);
+        }
+      }
+      if (!__syncthreads_or(stale)) break;
+      __nanosleep(64);
+    }
+  }
+  if constexpr (ONE_RULES) {
+    if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
+      route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
+                                                                           s_vall, &s_gl);
+    } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
+      const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
+      route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
+                OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need,
+                         rbar);
+      if (OVERLAP) {  // every choice and weight written
+        __syncwarp();
+        mbar_arrive(rbar + 8);
+      }
+    }
+  } else {
+    static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false, false>(
+        logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
+  }
+  static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
+  if (OVERLAP) {  // warps 1..: this block's first unit's choice is written
+    if (warp != 0) mbar_wait(rbar, 0);
+  } else {
+    __syncthreads();
+  }
+  grid_dep_launch();  // every block is resident: the next kernel may be scheduled
+  if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
+    topk_ids[threadIdx.x] = s_ids[threadIdx.x];
+    if (!BLOCK_ROUTE) topk_w[threadIdx.x] = s_w[threadIdx.x];
+  }
+  // this block's first DR output rows of down: every piece asked for now
+  if ((int)blockIdx.x < H / DR) request(blockIdx.x);
+
+  // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
+  // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
+  // experts take them)
+  for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
+    const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
+    // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
+    // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) or (FP4) its tile's scales (bytes: MX s13
+    // [E][tile][chunk][gate, up][16 rows]; NV per tile [chunk][gate, up][2][16 rows], then the two
+    // scale_2) as an offset (so[k], top bit: the shared expert's), in registers: each load takes
+    // its address from them rather than from the choices in shared memory
+    const uint4* ub[UR];
+    u32 so[UR];
+    auto unit_base = [&](int k) {
+      const int u = u0 + k * gridDim.x;
+      if (u < K * TI) {
+        const int e = s_ids[u / TI];
+        ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
+        so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
+      } else {
+        ub[k] = ws13 + (size_t)(u - K * TI) * KC * GCU;
+        so[k] = 0x80000000u | (FP4 ? (u32)(u - K * TI) * SCT : (u32)((u - K * TI) / 8) * KB);
+      }
+    };
+    auto weights = [&](int k) -> const uint4* {
+      const uint4* r = ub[0];
+#pragma unroll
+      for (int j = 1; j < UR; ++j)
+        if (k == j) r = ub[j];
+      return r;
+    };
+    auto unit_so = [&](int k) -> u32 {
+      u32 o = so[0];
+#pragma unroll
+      for (int j = 1; j < UR; ++j)
+        if (k == j) o = so[j];
+      return o;
+    };
+    auto scale13 = [&](int k, int m, int c) -> float {
+      const u32 o = unit_so(k);
+      return __ldg((o >> 31 ? ss13 + (size_t)m * (IS / 128) * KB : s13 + (size_t)m * E * (I / 128) * KB) + (o & 0x7fffffffu) + c / 4);
+    };
+    // FP4: unit k's tile scales (bytes), and the four of chunk c this lane's rows (g, g + 8) take
+    // of gate (m = 0) and up: MX bytes (gate g, gate g+8, up g, up g+8); NV (gate g, up g, gate g+8,
+    // up g+8), as e4m3x4_to_bf16x4 pairs them
+    auto tile_scales = [&](u32 o) {
+      return reinterpret_cast<const unsigned char*>(o >> 31 ? ss13 : s13) + (o & 0x7fffffffu);
+    };
+    auto scales4 = [&](int k, int c) -> u32 {
+      const unsigned char* b = tile_scales(unit_so(k)) + c * SCC;
+      if (MX) return (u32)__ldg(b + g) | (u32)__ldg(b + g + 8) << 8 | (u32)__ldg(b + 16 + g) << 16 | (u32)__ldg(b + 24 + g) << 24;
+      b += (t >> 1) * 16 + g;
+      return (u32)__ldg(b) | (u32)__ldg(b + 32) << 8 | (u32)__ldg(b + 8) << 16 | (u32)__ldg(b + 40) << 24;
+    };
+    unit_base(0);
+    // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
+    // their FP8 or FP4 scales)
+    const int q_end = nu * CPU;
+    uint4 buf[P][GU];
+    float scl[P][2];
+    u32 sq[P];
+    auto load = [&](int q, uint4 (&b)[GU], float (&sc)[2], u32& s4) {
+      if (q < q_end) {
+        const int c = warp + (q % CPU) * WARPS;
+        const uint4* a = weights(q / CPU) + (size_t)c * GCU + lane;
+#pragma unroll
+        for (int f = 0; f < GU; ++f) b[f] = __ldcs(a + f * 32);
+        if (FP8) {
+#pragma unroll
+          for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
+        }
+        if (FP4) s4 = scales4(q / CPU, c);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);
+    // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
+    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
+#pragma unroll
+    for (int k = 1; k < UR; ++k)
+      if (k < nu) unit_base(k);
+    float acc[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+    for (int q0 = 0; q0 < q_end; q0 += P) {
+#pragma unroll
+      for (int s = 0; s < P; ++s) {
+        const int q = q0 + s, c = warp + (q % CPU) * WARPS;
+        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          if (MX) {  // gate's k-steps in x, y; up's in z, w
+            mx_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, (sq[s] >> (16 * m)) & 0xffu,
+                   (sq[s] >> (16 * m + 8)) & 0xffu);
+          } else if (NV) {
+            const uint2 sc = e4m3x4_to_bf16x4(sq[s]);  // (gate g, gate g + 8), (up g, up g + 8)
+            nv_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, m ? sc.y : sc.x);
+          } else if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+            uint4 k0, k1;
+            e4m3x16_to_bf16(buf[s][m], k0, k1);
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, b.x, b.y);
+            mma_bf16(tmp, k1, b.z, b.w);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
+          } else {
+            mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+            mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+          }
+        }
+        load(q + P, buf[s], scl[s], sq[s]);
+        if ((q + 1) % CPU == 0) {  // the end of unit q / CPU: this warp's partial sums
+          if (t == 0) {
+            float* rk = red + ((q / CPU) * WARPS + warp) * 32;
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              rk[m * 16 + g] = acc[m][0];
+              rk[m * 16 + g + 8] = acc[m][2];
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+      const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
+      float gv = 0.0f, uv = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        gv += red[(k * WARPS + w) * 32 + r];
+        uv += red[(k * WARPS + w) * 32 + 16 + r];
+      }
+      if (NV) {  // the tile's scale_2 of gate and up (after its scales)
+        const float* s2t = reinterpret_cast<const float*>(tile_scales(unit_so(k)) + KC * SCC);
+        gv *= __ldg(s2t);
+        uv *= __ldg(s2t + 1);
+      }
+      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
+      if (TAGS) {
+        st_tagged(tact + idx, (ep << 16) | (u32)a);
+      } else if (u < K * TI) {
+        act[idx] = a;
+      } else {
+        act_s[idx - K * I] = a;
+      }
+    }
+    __syncthreads();
+  }
+  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
+  if (!TAGS) grid_barrier(gbar, phase);
+
+  // 4. down + the weighted sum, DR output rows at a time. The activations are staged in shared
+  // memory by the whole block: (TAGS) loaded until every one carries this call's epoch, or copied
+  // from L2 (other blocks wrote them, before the barrier).
+  if ((int)blockIdx.x < H / DR) {
+    if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
+    if (TAGS) {
+      constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
+      const u32 want = ep & 0xffffu;
+      if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
+      for (;;) {
+        bool stale = false;
+        uint4 q[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int v = (int)threadIdx.x + i * THREADS;
+          if (v < NACT / 4) q[i] = ld_tagged4(tact + 4 * v);
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int v = (int)threadIdx.x + i * THREADS;
+          if (v < NACT / 4) {
+            stale |= (q[i].x >> 16) != want || (q[i].y >> 16) != want || (q[i].z >> 16) != want || (q[i].w >> 16) != want;
+            *reinterpret_cast<uint2*>(s_act + 4 * v) =
+                make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
+          }
+        }
+        if (!__syncthreads_or(stale)) break;
+        __nanosleep(64);
+      }
+    } else {
+      static_assert(I % 8 == 0 && IS % 8 == 0, "activations copied 8 at a time");
+      for (int v = threadIdx.x; v < NACT / 8; v += THREADS)
+        reinterpret_cast<uint4*>(s_act)[v] = __ldcg(reinterpret_cast<const uint4*>(8 * v < K * I ? act + 8 * v : act_s + (8 * v - K * I)));
+      __syncthreads();
+    }
+    if (BLOCK_ROUTE && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+  }
+  constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
+  constexpr int CWM = CW > CWS ? CW : CWS;
+  u32 parity = 0;
+  for (int rb = blockIdx.x; rb < H / DR; rb += gridDim.x) {
+    if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
+      __syncthreads();
+      request(rb);
+      if (FP8) {
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+    }
+    // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c). Every
+    // operand's pieces waited for, then this warp's products DG operands at a time, unrolled, each
+    // operand its own accumulator: the loads of one overlap the products of the others (a loop
+    // over the operands waited on each one's loads and products in turn: shared memory's latency,
+    // not its bandwidth, bounded it)
+#pragma unroll 1
+    for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
+    // operands a group: 8 or fewer in groups of 4 unless exactly 8 (FP4, two tiles each: 4), more
+    // in two halves (the accumulators and loads of one group in registers, no spills for the
+    // shapes compiled here)
+    constexpr int DG = DSLOTS == 8 && !FP4 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
+#pragma unroll 1
+    for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
+      float o[DG][MT][4];
+#pragma unroll
+      for (int j = 0; j < DG; ++j) {
+        const int s = s0 + j, base = s * KCD, kcd = s < K ? KCD : s < DSLOTS ? KCDS : 0;
+        const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[j][mt][r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < CWM; ++i) {
+          const int c = c0 + i * WARPS;
+          if (c < kcd) {
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+            if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+              const uint4 q = pieces[(base + c) * PU4 + lane];
+              const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                if (MX) {
+                  mx_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
+                } else {
+                  const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
+                  nv_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
+                }
+              }
+            } else if (FP8) {
+              uint4 k0, k1;
+              e4m3x16_to_bf16(pieces[(base + c) * PU4 + lane], k0, k1);
+              float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_bf16(tmp, k0, b.x, b.y);
+              mma_bf16(tmp, k1, b.z, b.w);
+              const float sc = s_dsc[s * KBD + c / 4];
+#pragma unroll
+              for (int r = 0; r < 4; ++r) o[j][0][r] = fmaf(sc, tmp[r], o[j][0][r]);
+            } else {
+              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane], b.x, b.y);
+              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
+            }
+          }
+        }
+      }
+      if (t == 0) {
+#pragma unroll
+        for (int j = 0; j < DG; ++j) {
+          if (s0 + j < DSLOTS) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g] = o[j][mt][0];
+              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g + 8] = o[j][mt][2];
+            }
+          }
+        }
+      }
+    }
+    parity ^= 1;
+    __syncthreads();
+    float* ys = red + WARPS * DSLOTS * DR;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * DR) {
+      const int s = threadIdx.x / DR, r = threadIdx.x % DR;
+      float y = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * DR + r];
+      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[r / 16];  // tile's scale_2
+      ys[s * DR + r] = y;
+    }
+    __syncthreads();
+    if (threadIdx.x < DR) {  // row r: the choices in order, then the shared expert
+      const int r = threadIdx.x;
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * DR + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * DR + r], acc);
+      out[rb * DR + r] = f32_to_bf16(acc);
+    }
+    __syncthreads();
+  }
+  if (TAGS && blockIdx.x == 0 && threadIdx.x == 0) {  // every block has read the epoch: advance it
+    u32 n;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(epoch + 1) : "memory");
+    } while (n < gridDim.x);
+    epoch[1] = 0;
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(epoch), "r"(ep) : "memory");
+  }
+}
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
@@ -1418,7 +2436,7 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<128, 128, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1441,14 +2459,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 #endif
+// one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n256_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_mxfp4_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 256, 2, false, 16, 3, 4, true, MOE_W_MXFP4, false, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
+}
+#endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n256_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 256, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_mxfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 8, 8, 48, 0, 768, 1, MOE_W_MXFP4, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1460,13 +2484,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 2, 4, 6, 16, 128, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 128, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1478,7 +2502,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_mxfp4_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 2, 2, 4, 7, 7, 2, 64, 2048, 8, false, MOE_W_MXFP4, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -1490,7 +2514,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_mxfp4_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 4, 4, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_MXFP4, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
