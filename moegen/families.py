@@ -547,6 +547,7 @@ def combine_kernel(c: Layer, nf: int) -> Kernel:
 # ---- one token: the whole layer in one launch ----
 SINGLE_WARPS = 16  # 512 threads: 128 registers each, P chunks of gate/up weights in flight per warp
 SINGLE_INFLIGHT = 4  # gate/up chunks in flight per warp (4 x 2 KB x 16 warps = 128 KB a multiprocessor)
+SINGLE_INFLIGHT_FP4 = 8  # FP4's chunks are 512 bytes: 8 x 512 bytes x 16 warps = 64 KB
 
 
 def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
@@ -557,16 +558,16 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     hash routing, one reduction order for every N only where the spec does not ask for it
     (batch_invariant), hidden sizes whose 32-wide chunks split evenly over its warps, and a
     block's share of the down weights (16 rows of every chosen expert and of the shared expert, 1
-    KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: 32 rows, 512 bytes, and their scales)
+    KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: its row group's 32 rows, 512 bytes, and
+    their scales)
     must fit in shared memory beside the reduction space."""
     # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
-    # down tiles a row group (a block's rows: the whole group)
+    # down tiles a row group (a block copies its group's run, both tiles, and takes its own)
     fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
         ("mxfp4", "nvfp4") if c.tune.single_fp4 and c.tune.single_tags and c.tune.down_tiles == 2 else ())
     if not c.tune.single or c.spec.batch_invariant or c.kf_e not in fmts or (c.si and c.kf_s != c.kf_e):
         return None
-    dr = _single_rows(c)
-    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or dr * (c.k + 1) > 32 * SINGLE_WARPS:
+    if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or 16 * (c.k + 1) > 32 * SINGLE_WARPS:
         return None
     kc = c.h // 32
     cpu = kc // SINGLE_WARPS
@@ -576,7 +577,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     ur = -(-units // target.sm_count)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
-    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * dr)
+    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
     static += 16 * c.e + 256  # route_block's keys, scores and group maxima
     # the activations staged for down; with tagged words, the logits before them in the same space
@@ -590,15 +591,9 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
 
 
 def _single_piece(c: Layer) -> int:
-    """Bytes of one down piece of the one-token kernel: a block's rows (_single_rows) x 32 K, BF16,
-    FP8 or FP4 codes."""
+    """Bytes of one down piece of the one-token kernel: a block's 16 rows x 32 K in BF16 or FP8 codes,
+    or the 32 rows of its row group in FP4 codes (a lane's 16 bytes hold both tiles')."""
     return 1024 if c.kf_e == "bf16" else 512
-
-
-def _single_rows(c: Layer) -> int:
-    """A block's down rows in the one-token kernel: 16, or with FP4 codes a whole packed row group
-    of two 16-row tiles (a lane's 16 bytes hold both tiles' codes)."""
-    return 32 if c.kf_e in ("mxfp4", "nvfp4") else 16
 
 
 def single_ksplit(c: Layer) -> int:
@@ -630,7 +625,7 @@ def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
     copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
     bulk copy a piece holds the issuing warp until most of the pieces are in flight."""
-    return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and _single_rows(c) == 16
+    return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and c.kf_e not in ("mxfp4", "nvfp4")
 
 
 def single_tensor_maps(c: Layer) -> tuple:
@@ -666,7 +661,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
-             *map(str, (SINGLE_WARPS, ur, _inflight(kc // SINGLE_WARPS))), _b(single_tags(c)), FMT_MACRO[c.kf_e],
+             *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in ("mxfp4", "nvfp4") else _inflight(kc // SINGLE_WARPS))),
+             _b(single_tags(c)), FMT_MACRO[c.kf_e],
              _b(single_overlap(c)), _b(single_tmap(c)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),

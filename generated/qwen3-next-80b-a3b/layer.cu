@@ -1397,9 +1397,9 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // epoch, and the workspace starts zeroed (epoch 0, never a call's).
 //
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
-// BF16 or FP8 block weights (the shared expert in the routed experts' format), no expert
-// parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives this
-// kernel only such layers, and the shapes it fits.
+// BF16, FP8 block, MXFP4 or NVFP4 weights (the shared expert in the routed experts' format), no
+// expert parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives
+// this kernel only such layers, and the shapes it fits.
 
 // Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
 // 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
@@ -1780,8 +1780,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                             const void* tmaps) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
-  constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's down rows x 32 K of one chunk (BF16 1 KB,
-                                                  // FP8 512 bytes: 16 rows; FP4 512 bytes: 32 rows)
+  constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's 16 down rows x 32 K of one chunk (BF16 1 KB,
+                                                  // FP8 512 bytes; FP4 512 bytes: its row group's 32 rows)
   constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
   constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
   constexpr int RTILES = ROWS_PAD / 16;
@@ -1789,18 +1789,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // bf16 through the tensor cores, each 128 x 128 block's scale in fp32; the shared expert's too)
   // MXFP4 / NVFP4: e2m1 codes, 8 bytes per lane, matrix and chunk (a 16-byte fragment holds a pair
   // of matrices: gate and up, or down's two tiles of a row group), row scales per 32 (E8M0) or 16
-  // (e4m3, times each matrix's fp32 scale_2) along K; a block's down rows are a whole packed row
-  // group (TPB 2: 32 rows), so one operand's rows and their scales are one contiguous run each.
+  // (e4m3, times each matrix's fp32 scale_2) along K. A block asks for its row group's whole run
+  // of each operand (both tiles: 8-byte halves of each lane's fragments, which no copy separates)
+  // and its scales, and multiplies its own tile; the two blocks of a group ask at the same time,
+  // so the second finds the bytes in L2 (or on their way there).
   constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK;
   constexpr bool MX = FMT == MOE_W_MXFP4, NV = FMT == MOE_W_NVFP4, FP4 = MX || NV;
   static_assert(FMT == MOE_W_BF16 || FP8 || FP4, "the one-token kernel: BF16, FP8 block, MXFP4 or NVFP4 weights");
-  static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a block's down rows are one row group of two tiles, one bulk copy");
+  static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a row group of two tiles, one bulk copy");
   constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
   constexpr int GU = FP4 ? 1 : 2 * AF;    // 16-byte fragments per lane of a gate/up chunk, both matrices
   constexpr int GCU = GU * 32;            // uint4 of a gate/up tile's chunk
-  constexpr int MT = FP4 ? TPB : 1;       // 16-row tiles of a block's down rows
-  constexpr int DR = 16 * MT;             // a block's down rows
-  constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: DR rows x 32 K
+  constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: 16 rows (FP4: the row group's 32) x 32 K
+  constexpr int P16 = FP4 ? 16 : PU4;      // uint4 of 16 rows x 32 K
   // FP4: bytes of one operand's down scales in shared memory (a chunk's: MX TPB x 16 E8M0, NV TPB x 2
   // x 16 e4m3; NV then the tiles' scale_2, 16 bytes), and of a gate/up tile's
   constexpr int SCC = MX ? 32 : 64, KCM = KCD > KCDS ? KCD : KCDS;
@@ -1816,10 +1817,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                              RouteRule::ZERO == 0 && !RouteRule::EP;
   constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
-  static_assert(KC % WARPS == 0 && CPU % P == 0, "gate/up chunks split evenly over the warps");
+  static_assert(KC % WARPS == 0, "gate/up chunks split evenly over the warps");
+  // P chunks in flight per warp: a divisor of a unit's (every round of P one unit's or several
+  // whole units'), or (FP4's 512-byte chunks, more of them in flight) any, the rounds past the
+  // last chunk skipped
+  constexpr bool PART = CPU % P != 0;
   static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
   static_assert(DSLOTS <= 32, "one lane per operand's mbarrier (and bulk copy, TPB 1)");
-  static_assert(DSLOTS * DR <= THREADS, "a thread per operand row in the down sums");
+  static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
   static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
@@ -1854,17 +1859,17 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // this block's DR output rows rb of down (16 rows, FP4 32): request every piece (slot order, then chunks); with
+  // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
   // one tile per packed row group (TPB 1) an operand's rows are one contiguous run. With one copy
   // per operand (TMAP, TPB 1) and every choice known to every warp (not OVERLAP), lane 0 of warp s
   // asks for operand s (and lanes of warp s for its FP8 scales): the copies' issue spread over the
   // warps rather than holding warp 0 (and the last operands' copies) back; otherwise warp 0 asks
   // for everything.
-  // (FP4: a block's rows of one operand are a whole row group: one bulk copy, and one for its scales)
+  // (FP4: its row group's run of one operand, both tiles: one bulk copy, and one for its scales)
   constexpr bool WHOLE = TPB == 1 || FP4;
   constexpr bool SPREAD = (TMAP || WHOLE) && !OVERLAP && DSLOTS <= WARPS;
-  auto request = [&](int rb) {  // rb: the block's DR rows (16: rb = r16; FP4: a row group)
-    const int group = FP4 ? rb : rb / TPB, mt = FP4 ? 0 : rb % TPB;  // (the tensor maps fenced after the router)
+  auto request = [&](int rb) {
+    const int group = rb / TPB, mt = rb % TPB;  // (the tensor maps fenced after the router)
     auto one = [&](int s) {  // operand s's pieces: one tensor copy (tile mt of row group `group`) or one bulk copy
       const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
       mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
@@ -1873,12 +1878,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
         else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
       } else if (s < K) {
-        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / DR) + rb) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
+        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / (16 * TPB)) + group) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
       } else {
-        bulk_copy(dst, ws2 + (size_t)rb * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+        bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
       }
       if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
-        const size_t run = s < K ? (size_t)s_ids[s] * (H / DR) + rb : (size_t)rb;
+        const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
         bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
                   reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
       }
@@ -1976,7 +1981,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
   // (the asking thread waits while the copy engine takes the request).
   if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
-    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = (size_t)(H / DR) * KCDS * PU4;  // uint4
+    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = (size_t)(H / 16) * KCDS * P16;  // uint4
     const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
     if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
     if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
@@ -2049,8 +2054,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     if (!BLOCK_ROUTE) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
-  // this block's first DR output rows of down: every piece asked for now
-  if ((int)blockIdx.x < H / DR) request(blockIdx.x);
+  // this block's first 16 output rows of down: every piece asked for now
+  if ((int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2125,13 +2130,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         if (FP4) s4 = scales4(q / CPU, c);
       }
     };
+    constexpr int P0 = P < CPU ? P : CPU;  // the first round's loads of the first unit
 #pragma unroll
-    for (int s = 0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);
+    for (int s = 0; s < P0; ++s) load(s, buf[s], scl[s], sq[s]);
     // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
     if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
 #pragma unroll
     for (int k = 1; k < UR; ++k)
       if (k < nu) unit_base(k);
+#pragma unroll
+    for (int s = P0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);  // (P past a unit's chunks) the next units'
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -2141,6 +2149,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
       for (int s = 0; s < P; ++s) {
         const int q = q0 + s, c = warp + (q % CPU) * WARPS;
+        if (PART && q >= q_end) break;
         const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -2208,10 +2217,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
-  // 4. down + the weighted sum, DR output rows at a time. The activations are staged in shared
+  // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
   // memory by the whole block: (TAGS) loaded until every one carries this call's epoch, or copied
   // from L2 (other blocks wrote them, before the barrier).
-  if ((int)blockIdx.x < H / DR) {
+  if ((int)blockIdx.x < H / 16) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
     if (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
@@ -2248,7 +2257,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
   u32 parity = 0;
-  for (int rb = blockIdx.x; rb < H / DR; rb += gridDim.x) {
+  for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
     if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
@@ -2265,21 +2274,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // not its bandwidth, bounded it)
 #pragma unroll 1
     for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
-    // operands a group: 8 or fewer in groups of 4 unless exactly 8 (FP4, two tiles each: 4), more
-    // in two halves (the accumulators and loads of one group in registers, no spills for the
-    // shapes compiled here)
-    constexpr int DG = DSLOTS == 8 && !FP4 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
+    // operands a group: 8 or fewer in groups of 4 unless exactly 8, more in two halves (the
+    // accumulators and loads of one group in registers, no spills for the shapes compiled here)
+    constexpr int DG = DSLOTS == 8 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
+    const int mt = rb % TPB;  // FP4: this block's tile of the row group
 #pragma unroll 1
     for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
-      float o[DG][MT][4];
+      float o[DG][4];
 #pragma unroll
       for (int j = 0; j < DG; ++j) {
         const int s = s0 + j, base = s * KCD, kcd = s < K ? KCD : s < DSLOTS ? KCDS : 0;
         const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) o[j][mt][r] = 0.0f;
+        for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
 #pragma unroll
         for (int i = 0; i < CWM; ++i) {
           const int c = c0 + i * WARPS;
@@ -2287,15 +2294,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
             if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
               const uint4 q = pieces[(base + c) * PU4 + lane];
+              const u32 q0 = mt ? q.z : q.x, q1 = mt ? q.w : q.y;
               const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
-#pragma unroll
-              for (int mt = 0; mt < MT; ++mt) {
-                if (MX) {
-                  mx_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
-                } else {
-                  const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
-                  nv_mma(o[j][mt], mt ? q.z : q.x, mt ? q.w : q.y, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
-                }
+              if (MX) {
+                mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
+              } else {
+                const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
+                nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
               }
             } else if (FP8) {
               uint4 k0, k1;
@@ -2305,10 +2310,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
               mma_bf16(tmp, k1, b.z, b.w);
               const float sc = s_dsc[s * KBD + c / 4];
 #pragma unroll
-              for (int r = 0; r < 4; ++r) o[j][0][r] = fmaf(sc, tmp[r], o[j][0][r]);
+              for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
             } else {
-              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane], b.x, b.y);
-              mma_bf16(o[j][0], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
+              mma_bf16(o[j], pieces[(base + c) * PU4 + lane], b.x, b.y);
+              mma_bf16(o[j], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
             }
           }
         }
@@ -2317,34 +2322,31 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
         for (int j = 0; j < DG; ++j) {
           if (s0 + j < DSLOTS) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g] = o[j][mt][0];
-              red[(warp * DSLOTS + s0 + j) * DR + mt * 16 + g + 8] = o[j][mt][2];
-            }
+            red[(warp * DSLOTS + s0 + j) * 16 + g] = o[j][0];
+            red[(warp * DSLOTS + s0 + j) * 16 + g + 8] = o[j][2];
           }
         }
       }
     }
     parity ^= 1;
     __syncthreads();
-    float* ys = red + WARPS * DSLOTS * DR;  // each operand's rows: its warps' sums in warp order
-    if (threadIdx.x < DSLOTS * DR) {
-      const int s = threadIdx.x / DR, r = threadIdx.x % DR;
+    float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * 16) {
+      const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
       float y = 0.0f;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * DR + r];
-      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[r / 16];  // tile's scale_2
-      ys[s * DR + r] = y;
+      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
+      ys[s * 16 + r] = y;
     }
     __syncthreads();
-    if (threadIdx.x < DR) {  // row r: the choices in order, then the shared expert
+    if (threadIdx.x < 16) {  // row r: the choices in order, then the shared expert
       const int r = threadIdx.x;
       float acc = 0.0f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * DR + r], acc);
-      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * DR + r], acc);
-      out[rb * DR + r] = f32_to_bf16(acc);
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
+      out[rb * 16 + r] = f32_to_bf16(acc);
     }
     __syncthreads();
   }
