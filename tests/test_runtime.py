@@ -220,7 +220,7 @@ def _check_pointers(fake_cuda, spec, plan) -> None:
             assert dict(zip(k.arg_keys, args)).get("n", n) == n
         for (kernel, config, _), ln in zip(rec.launches, bucket.launches):
             assert config.shmem_size == ln.smem
-            if ln.smem > 48 * 1024:  # asked for at load
+            if ln.smem > 0:  # asked for at load (48 KB in all, static included, otherwise)
                 assert drv.smem[kernel] >= ln.smem, f"{kernel}: {ln.smem} bytes of shared memory not allowed"
 
 
