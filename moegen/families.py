@@ -130,9 +130,9 @@ class Tuning:
     single_fp4: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
     # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
-    # the reference on the H200 (every lane of warp 0 arriving), 0.6-0.8 us faster there at N = 1,
-    # but its racecheck run is still to be done (with lane 0 arriving alone it reported one hazard;
-    # see the README), so off in the analytic plan
+    # the reference on the H200 (every lane of warp 0 arriving), 0.4-0.8 us faster there at N = 1,
+    # racecheck clean (0 hazards: Qwen3-30B-A3B, Qwen3-Next, NVFP4; 2026-11-30). Off in the analytic
+    # plan until the block route (route_block, which it replaces) keeps a tested variant of its own
     single_overlap: bool = False
     # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
     # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor
