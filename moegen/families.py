@@ -31,6 +31,7 @@ def route_threads(scored: int) -> int:
     that, where a lane's scores (scored / 32 values, twice) need more registers than 64."""
     return ROUTE_THREADS if scored <= 512 else ROUTE_THREADS // 2
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
+FP4_FORMATS = ("mxfp4", "nvfp4")  # e2m1 codes: two matrices (gate and up, or two down tiles) share a fragment
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
 A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_block_a8": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
 FMT_MACRO = {"bf16": "MOE_W_BF16", "fp8_block": "MOE_W_FP8_BLOCK", "fp8_block_a8": "MOE_W_FP8_BLOCK_A8",
@@ -126,7 +127,8 @@ class Tuning:
     # Qwen3-30B-A3B-FP8 at N = 1 22.4-22.8 us against 26.5 in four launches (H200)
     single_fp8: bool = True
     # ... for MXFP4 and NVFP4 weights too (e2m1 codes with their row scales; with tagged words and
-    # two down tiles a row group: a block's down rows are a whole packed row group, 32 rows)
+    # two down tiles a row group: a block copies its group's whole run, both tiles, and multiplies
+    # its own): Qwen3-30B-A3B at N = 1 20.7-21.4 us against 29.0-29.2 in four launches (H200)
     single_fp4: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
     # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
@@ -559,12 +561,11 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     (batch_invariant), hidden sizes whose 32-wide chunks split evenly over its warps, and a
     block's share of the down weights (16 rows of every chosen expert and of the shared expert, 1
     KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: its row group's 32 rows, 512 bytes, and
-    their scales)
-    must fit in shared memory beside the reduction space."""
+    their scales) must fit in shared memory beside the reduction space."""
     # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
     # down tiles a row group (a block copies its group's run, both tiles, and takes its own)
     fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
-        ("mxfp4", "nvfp4") if c.tune.single_fp4 and c.tune.single_tags and c.tune.down_tiles == 2 else ())
+        FP4_FORMATS if c.tune.single_fp4 and c.tune.single_tags and c.tune.down_tiles == 2 else ())
     if not c.tune.single or c.spec.batch_invariant or c.kf_e not in fmts or (c.si and c.kf_s != c.kf_e):
         return None
     if c.ep_size > 1 or c.bias or c.z or c.woi or c.hashed or 16 * (c.k + 1) > 32 * SINGLE_WARPS:
@@ -584,7 +585,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
         static += 4 * dslots * -(-max(c.i, c.si) // 128)
-    if c.kf_e in ("mxfp4", "nvfp4"):  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
+    if c.kf_e in FP4_FORMATS:  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
         static += dslots * (max(c.i, c.si) // 32 * (32 if c.kf_e == "mxfp4" else 64) + (16 if c.kf_e == "nvfp4" else 0))
     smem = pieces * _single_piece(c) + red
     return (smem, ur) if smem + static <= target.smem_per_block else None
@@ -625,7 +626,7 @@ def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
     copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
     bulk copy a piece holds the issuing warp until most of the pieces are in flight."""
-    return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and c.kf_e not in ("mxfp4", "nvfp4")
+    return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and c.kf_e not in FP4_FORMATS
 
 
 def single_tensor_maps(c: Layer) -> tuple:
@@ -661,7 +662,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
-             *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in ("mxfp4", "nvfp4") else _inflight(kc // SINGLE_WARPS))),
+             *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
              _b(single_overlap(c)), _b(single_tmap(c)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
