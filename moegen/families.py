@@ -131,11 +131,12 @@ class Tuning:
     # its own): Qwen3-30B-A3B at N = 1 20.7-21.4 us against 29.0-29.2 in four launches (H200)
     single_fp4: bool = True
     # ... with tagged words, the other warps streaming a block's first gate/up unit as soon as warp
-    # 0's route has chosen its expert, while it chooses the rest (two mbarriers): correct against
-    # the reference on the H200 (every lane of warp 0 arriving), 0.4-0.8 us faster there at N = 1,
-    # racecheck clean (0 hazards: Qwen3-30B-A3B, Qwen3-Next, NVFP4; 2026-11-30). Off in the analytic
-    # plan until the block route (route_block, which it replaces) keeps a tested variant of its own
-    single_overlap: bool = False
+    # 0's route has chosen its expert, while it chooses the rest (two mbarriers), rather than the
+    # whole block routing first (route_block, the tuning single_overlap false): 0.4-0.8 us faster
+    # at N = 1 on the H200 (26.1 against 26.9 us Qwen3-30B-A3B, 26.7 against 27.3 Qwen3-Next,
+    # 20.2 against 20.6 NVFP4), racecheck clean (0 hazards: Qwen3-30B-A3B, Qwen3-Next, NVFP4;
+    # 2026-11-30)
+    single_overlap: bool = True
     # ... where a down row group packs several 16-row tiles (down_tiles > 1), a block's rows of one
     # operand (one 16-row piece per 32-wide chunk, 2 or more pieces apart) asked for as one tensor
     # copy (a TMA tensor map over the packed weights, moegen.plan.TensorMap) rather than a bulk

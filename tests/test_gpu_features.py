@@ -82,23 +82,23 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
                      "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False),
-                     "overlap": Tuning(single_overlap=True), "pieces": Tuning(single_tmap=False),
-                     "overlap-pieces": Tuning(single_overlap=True, single_tmap=False)}
+                     "route-block": Tuning(single_overlap=False), "pieces": Tuning(single_tmap=False),
+                     "route-block-pieces": Tuning(single_overlap=False, single_tmap=False)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
-    ("qwen3-30b-a3b-fp8", "fp8"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
-    ("qwen3-30b-a3b-mxfp4", "fp4"), ("qwen3-30b-a3b-nvfp4", "fp4"), ("qwen3-30b-a3b-nvfp4", "fp4-overlap")]
-ONE_TOKEN_TUNINGS.update({"fp8": Tuning(single_overlap=True), "fp8-t1": Tuning(down_tiles=1),
-                          "fp8-pieces": Tuning(single_tmap=False), "fp4": Tuning(),
-                          "fp4-overlap": Tuning(single_overlap=True)})
+    ("qwen3-30b-a3b-fp8", "fp8-route-block"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
+    ("qwen3-30b-a3b-mxfp4", "fp4-route-block"), ("qwen3-30b-a3b-nvfp4", "fp4-route-block")]
+ONE_TOKEN_TUNINGS.update({"fp8-route-block": Tuning(single_overlap=False), "fp8-t1": Tuning(down_tiles=1),
+                          "fp8-pieces": Tuning(single_tmap=False), "fp4-route-block": Tuning(single_overlap=False)})
 
 
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
 def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
-    group, so one bulk copy per expert; a plain launch; the route overlapped with the first
-    gate/up loads (warp 0's route); one bulk copy per piece of down rows instead of a tensor copy
-    per operand; FP8 block weights overlapped, with one tile per group, and with a bulk copy per
-    512-byte piece; MXFP4 and NVFP4 weights, NVFP4 overlapped) at N = 1 against the
+    group, so one bulk copy per expert; a plain launch; the whole block routing before the first
+    gate/up loads (route_block) rather than warp 0 while the other warps load; one bulk copy per
+    piece of down rows instead of a tensor copy per operand; FP8 block weights with the block's
+    route, with one tile per group, and with a bulk copy per 512-byte piece; MXFP4 and NVFP4
+    weights with the block's route) at N = 1 against the
     reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch
@@ -118,17 +118,18 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
         layer.close()
 
 
-@pytest.mark.parametrize("name,distinct", [(n, d) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for d in (1, 5, 16)])
-def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, tmp_path):
+@pytest.mark.parametrize("name,distinct,route", [(n, d, r) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b")
+                                                  for d in (1, 5, 16) for r in ("warp", "block")])
+def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, route, tmp_path):
     """Router rows repeated (expert e's row is expert e % distinct's): equal logits exactly, in the
     kernel as in the reference, so the choices are decided by ties alone (the lower expert first,
     the reference's rule): at N = 1 the one-token kernel's choices equal the reference's in
-    order, and the output matches the reference on them. With one distinct row every expert
-    ties."""
+    order, and the output matches the reference on them, with warp 0's route (the analytic
+    plan's) and the whole block's (route_block). With one distinct row every expert ties."""
     import torch
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
-    plan = make_plan(spec)
+    plan = make_plan(spec, tuning=Tuning(single_overlap=route == "warp"))
     assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
