@@ -90,15 +90,16 @@ SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "
         ("bool", "SHARED_LIMIT", "false"), ("bool", "EXPERT_BIAS", "false"))
 
 
-def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS) -> dict:
+def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS, sms: int = 132) -> dict:
     """The arguments of templates/grouped_gemm.cu.j2 for tile shape t: standalone adds the extern
     kernels of this module (the plain GEMM, gate/up and down for each of down_mats, grouping,
-    combine, permute); a layer's source calls the device functions from its own kernels."""
+    combine, permute); a layer's source calls the device functions from its own kernels. sms: the
+    multiprocessors, one GEMM block each, that the GEMMs' block order plans its waves for."""
     n = t.bn // 2
     return {
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
-        "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads,
+        "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads, "sms": sms,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
         "acc_regs": ", ".join(f"%{i}" for i in range(n)),
@@ -203,9 +204,9 @@ class GroupedGemm:
                np.uint64(tile_table), np.uint64(y), np.int32(n_out), np.int32(k))
 
     def gate_up(self, xp: int, tok: int, w13: int, tile_table: int, h: int, n_tiles: int, inter: int, k: int,
-                row_tiles: int, stream: object = None) -> None:
+                row_tiles: int, experts: int, stream: object = None) -> None:
         """h[p, i] = act(gate . x', up . x') for rows p of each tile (at most packed_rows rows a tile): w13 the GEMV tiles of gate and
-        up ([E][row_tiles][K/32][2][2][32] 16-byte fragments), x' from permute_k, h [P, inter] bf16."""
+        up ([E][row_tiles][K/32][2][2][32] 16-byte fragments, E = experts), x' from permute_k, h [P, inter] bf16."""
         from cuda.core import LaunchConfig, launch
 
         from .runtime import _StreamRef, stream_handle
@@ -219,7 +220,8 @@ class GroupedGemm:
         cfg = LaunchConfig(grid=(row_tiles // warps, n_tiles), block=self.tiles.packed_threads,
                            shmem_size=self.tiles.gate_up_smem_bytes)
         launch(_StreamRef(stream_handle(stream)), cfg, self.gate_up_kernel, np.uint64(xp), np.uint64(tok),
-               np.uint64(w13), np.uint64(tile_table), np.uint64(h), np.int32(inter), np.int32(k), np.int32(row_tiles))
+               np.uint64(w13), np.uint64(tile_table), np.uint64(h), np.int32(inter), np.int32(k), np.int32(row_tiles),
+               np.int32(experts))
 
 
 def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int, tiles: GemmTiles = GemmTiles(),
@@ -321,9 +323,10 @@ class PrefillExperts:
         go("place", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), i32(self.k), u64(ws["counts"]),
            u64(ws["first"]), u64(ws["tok"]), u64(ws["slot"]))
         go("gate_up", (self.i // 16 // warps, max_tiles), t.packed_threads, u64(ws["xp"]), u64(ws["tok"]), u64(w13),
-           u64(ws["tiles"]), u64(ws["h"]), i32(self.i), i32(self.h), i32(self.i // 16), smem=t.gate_up_smem_bytes)
+           u64(ws["tiles"]), u64(ws["h"]), i32(self.i), i32(self.h), i32(self.i // 16), i32(self.e),
+           smem=t.gate_up_smem_bytes)
         go("down", (self.h // 16 // warps, max_tiles), t.packed_threads, u64(ws["h"]), u64(w2), u64(ws["tiles"]),
-           u64(ws["y"]), i32(self.h), i32(self.i), i32(self.h // 16), smem=t.down_smem_bytes)
+           u64(ws["y"]), i32(self.h), i32(self.i), i32(self.h // 16), i32(self.e), smem=t.down_smem_bytes)
         go("combine", (-(-self.h // 1024), n), 256, u64(ws["y"]), u64(ws["slot"]), u64(wts), u64(x), u64(out),
            i32(self.h), i32(self.k))
 

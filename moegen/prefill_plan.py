@@ -147,14 +147,14 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                              (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act")),
-                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16)), "prefill_gemm",
+                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e)), "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
                           ("false", str(c.tune.down_tiles)),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("float* __restrict__ y", None, "ws.y")),
-                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16)), "prefill_gemm",
+                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e)), "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (fp32), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
                         EW_THREADS, (),
@@ -175,14 +175,14 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             ("true", "2", "false"),
             (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
              stable, ("bf16_t* __restrict__ h", None, "ws.act_s")),
-            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16)), "prefill_gemm",
+            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1"), "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
             "gemm_down_shared", f"down_shared_h{h}_i{si}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
             ("false", str(c.tune.down_tiles)),
             (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
              stable, ("float* __restrict__ y", None, "ws.ys")),
-            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16)), "prefill_gemm",
+            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1"), "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (fp32)")
     return out
 

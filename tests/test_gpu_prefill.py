@@ -74,7 +74,8 @@ def test_gate_up_on_packed_weights_matches_numpy(tiles):
            (("xp", permute_k(x.view(np.uint16))), ("tok", tok), ("w", packed), ("tiles", table.reshape(-1)))}
     h = torch.full((len(tok), inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     gemm.gate_up(dev["xp"].data_ptr(), dev["tok"].data_ptr(), dev["w"].data_ptr(), dev["tiles"].data_ptr(),
-                 h.data_ptr(), len(table), inter, k, inter // 16, stream=torch.cuda.current_stream().cuda_stream)
+                 h.data_ptr(), len(table), inter, k, inter // 16, e_count,
+                 stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     experts = np.repeat(np.arange(e_count), counts)
     xf = x.astype(np.float64)[tok]

@@ -1495,6 +1495,20 @@ MOE_DEVICE uint4 lds128(u32 addr) {
   asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+// The block's (weight row block, tile) in the grid (row blocks x tiles): consecutive blocks take G
+// row blocks of one tile, then the same row blocks of the next tile, so that a wave of SMS
+// blocks covers about one expert's tiles (G = SMS / the tiles an expert has on average, from the
+// grid: the most tiles the routing makes is its tokens' tiles + one per expert). An expert's
+// weight rows then leave memory about once, and the tokens' rows are read once per G row blocks
+// (the row-block-fastest order read every weight row once per wave: ~14x Mixtral's weights at
+// N = 8192). Only which block computes a tile changes, never how.
+MOE_DEVICE int2 gemm_block(int experts) {
+  const int rbs = gridDim.x, tiles = gridDim.y, b = blockIdx.y * rbs + blockIdx.x;
+  const int per_expert = max(1, tiles / experts - 1);
+  const int g = min(rbs, max(1, 132 / per_expert));
+  const int grp = b / (g * tiles), first = grp * g, size = min(g, rbs - first), rem = b - grp * g * tiles;
+  return make_int2(first + rem % size, rem / size);
+}
 }  // namespace gg
 
 // One block: WARPS 16-row weight tiles (one per warp) x BN token rows of one expert.
@@ -1506,7 +1520,7 @@ MOE_DEVICE uint4 lds128(u32 addr) {
 template <bool GATED, int MATS, bool GATHER = GATED>
 MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
-                             int row_tiles) {
+                             int row_tiles, int experts) {
   constexpr int BN = 128, BK = 64, S = 4, THREADS = 256, WARPS = THREADS / 32;
   constexpr int UNITS = GATED ? 8 : 4;  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step)
   constexpr int B_BYTES = BN * BK * 2, A_WARP = UNITS * 512, STAGE = B_BYTES + WARPS * A_WARP;
@@ -1517,9 +1531,10 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
   const u32 base = (raw + 1023u) & ~1023u;
   unsigned char* sbase = smem_raw + (base - raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int e = tiles[blockIdx.y * 3], row0 = tiles[blockIdx.y * 3 + 1], rows = tiles[blockIdx.y * 3 + 2];
+  const int2 blk = gg::gemm_block(experts);  // (row block, tile)
+  const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
   if (rows <= 0) return;  // past the routing's tiles (the grid is sized for the most there can be)
-  const int it = blockIdx.x * WARPS + warp;  // this warp's 16-row tile
+  const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
   const int kc = k_dim / 32;
   // unit u of k-tile kt: GATED (chunk 2kt + u/4, matrix u/2 % 2, k-step u % 2); else (chunk 2kt + u/2, k-step u % 2)
   const uint4* asrc = GATED ? w + ((size_t)e * row_tiles + it) * kc * 4 * 32 + lane
@@ -1558,19 +1573,16 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
   for (int a = 0; a < NACC; ++a)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
-#pragma unroll
-  for (int kt = 0; kt < S - 2; ++kt) load(kt);
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<S - 3>();
-    gg::fence_async_smem();
-    __syncthreads();  // B from every thread; the stage tile kt + S - 2 replaces was released at step kt - 2
+  auto frags = [&](uint4 (&af)[NACC][4], int kt) {
     const u32 st = base + (u32)((kt % S) * STAGE);
-    uint4 af[NACC][4];  // per k-step kk = 2 * chunk + s
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
       for (int a = 0; a < NACC; ++a)
         af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+  };
+  auto step = [&](int kt, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
+    const u32 st = base + (u32)((kt % S) * STAGE);
     gg::wg_fence();
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
@@ -1578,16 +1590,32 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     for (int kk = 0; kk < 4; ++kk) {
       const unsigned long long bd = gg::smem_desc(st + kk * 32);
 #pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], af[a][kk], bd, kt > 0 || kk > 0);
+      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a][kk], bd, kt > 0 || kk > 0);
     }
     gg::wg_commit();
-    load(kt + S - 2);  // while the tensor cores work
-    // The A registers are read until the group completes: a second group in flight (wait<1>, the
-    // next step's fragments loaded meanwhile) makes ptxas serialize the wgmmas (C7513) all the same.
-    gg::wg_wait<0>();
+    gg::wg_wait<1>();  // group kt - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+    cp_async_wait<S - 3>();  // this thread's part of tile kt + 1
+    gg::fence_async_smem();
+    __syncthreads();  // every thread's part of tile kt + 1; every warpgroup past group kt - 1
+    load(kt + S - 1);
+    if (kt + 1 < ktiles) frags(nxt, kt + 1);
+  };
+#pragma unroll
+  for (int kt = 0; kt < S - 1; ++kt) load(kt);
+  cp_async_wait<S - 2>();
+  gg::fence_async_smem();
+  __syncthreads();
+  uint4 af0[NACC][4], af1[NACC][4];
+  frags(af0, 0);
+  for (int kt = 0; kt < ktiles; kt += 2) {
+    step(kt, af0, af1);
+    if (kt + 1 < ktiles) step(kt + 1, af1, af0);
   }
+  gg::wg_wait<0>();
+#pragma unroll
+  for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
 
   // Accumulator j: weight row 16*it + lane/4 (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2.
 #pragma unroll
@@ -1875,13 +1903,13 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e64_k8_sm_9
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_gate_up_e64_h2048_i1024_bm128_bn128_s4_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h) {
-  prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 1024, 2048, 64);
+  prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 1024, 2048, 64, 64);
 }
 #endif
 // prefill: Y = H' Wd per expert (fp32), 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_e64_h2048_i1024_bm128_bn128_s4_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, float* __restrict__ y) {
-  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 1024, 128);
+  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 1024, 128, 64);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
