@@ -70,6 +70,7 @@ class Kernel:
     comment: str
     cluster: int = 1  # blocks per thread-block cluster (__cluster_dims__ of the kernel)
     part: int = 0  # the program (of Plan.parts) the kernel is compiled in: the source's MOE_PART guards
+    min_blocks: int = 0  # blocks a multiprocessor must fit (__launch_bounds__'s second value; 0: none asked)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class Plan:
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
-    prefill_tiles: tuple[int, int, int, bool] = ()  # their GEMMs' (bm, bn, stages, ws): moegen.prefill.GemmTiles
+    prefill_tiles: tuple[int, int, int, bool, int] = ()  # their GEMMs' (bm, bn, stages, ws, down_stages): GemmTiles
     tensor_maps: tuple[TensorMap, ...] = ()  # what the kernels copy weights with (the weights' buffer "tmaps")
 
     def kernel(self, name: str) -> Kernel:

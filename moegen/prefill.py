@@ -31,14 +31,23 @@ class GemmTiles:
     # beside the bm / 64 consumer warpgroups, instead of every thread loading and a block barrier
     # per k-tile.
     ws: bool = False
+    # The down GEMM's stages (0: as gate/up's). Its block needs half gate/up's registers and ring
+    # (4 fragments a warp and k-tile, not 8): with 3 stages two blocks fit a multiprocessor, one's
+    # prologue and epilogue under the other's k-loop, which matters where K = I is short.
+    down_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
             raise ValueError(f"bm={self.bm}: 64 token rows per warpgroup, 1 to 4 warpgroups")
         if self.bn % 16 or not 16 <= self.bn <= 256 or (self.bn * 8) % self.threads:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
-        if self.stages < 3:
-            raise ValueError(f"stages={self.stages}: at least 3")
+        if self.stages < 3 or self.down_stages not in (0, 3, 4):
+            raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: at least 3; down 3 or 4 (0: as stages)")
+
+    @property
+    def dstages(self) -> int:
+        """The down GEMM's ring stages."""
+        return self.down_stages or self.stages
 
     @property
     def threads(self) -> int:
@@ -70,11 +79,11 @@ class GemmTiles:
 
     @property
     def down_name(self) -> str:
-        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.stages}{'_ws' if self.ws else ''}_bf16"
+        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.dstages}{'_ws' if self.ws else ''}_bf16"
 
     @property
     def down_smem_bytes(self) -> int:
-        return self.stages * (self.bn * 128 + self.threads // 32 * 4 * 512 + (16 if self.ws else 0)) + 1024
+        return self.dstages * (self.bn * 128 + self.threads // 32 * 4 * 512 + (16 if self.ws else 0)) + 1024
 
     @property
     def gate_up_smem_bytes(self) -> int:
@@ -98,6 +107,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
     n = t.bn // 2
     return {
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
+        "down_stages": t.dstages,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
         "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads, "sms": sms,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
@@ -295,7 +305,7 @@ class PrefillExperts:
         return {"xp": ((n, self.h), "bfloat16"), "counts": ((chunks * self.e,), "int32"),
                 "first": ((self.e + 1,), "int32"), "tiles": ((self.max_tiles(n) * 3,), "int32"),
                 "tok": ((p,), "int32"), "slot": ((p,), "int32"), "h": ((p, self.i), "bfloat16"),
-                "y": ((p, self.h), "float32")}
+                "y": ((p, self.h), "bfloat16")}
 
     def max_tiles(self, n: int) -> int:
         return -(-n * self.k // self.tiles.packed_rows) + self.e

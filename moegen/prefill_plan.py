@@ -6,7 +6,7 @@ A prefill bucket runs the norm (where the layer has one), the router and the rou
 decode bucket does (they write each token's experts and weights), then:
 permute (X', K in the packed tiles' order) -> count, scan, place (tokens grouped by expert, a
 stable counting sort; the tile table) -> gate/up GEMM with the activation (H', bf16) -> down GEMM
-(Y, fp32 per (token, choice) row) -> combine (the weighted sum of a token's choices in choice
+(Y, bf16 per (token, choice) row) -> combine (the weighted sum of a token's choices in choice
 order, zero experts adding weight * x). The GEMMs read the decode path's packed weights (no
 second copy) as wgmma's register operand. Every output element is one fixed sequence of k-steps,
 whatever the other tokens: batch-invariant within the bucket.
@@ -32,7 +32,8 @@ EW_THREADS = 256  # permute and combine
 def tiles(c: Layer) -> GemmTiles:
     """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
     t = c.tune
-    return GemmTiles(t.prefill_bm or TILES.bm, TILES.bn, t.prefill_stages or TILES.stages, ws=t.prefill_ws)
+    return GemmTiles(t.prefill_bm or TILES.bm, TILES.bn, t.prefill_stages or TILES.stages, ws=t.prefill_ws,
+                     down_stages=t.prefill_down_stages)
 
 
 def unsupported(c: Layer) -> str:
@@ -103,7 +104,7 @@ def shared_tiles(c: Layer, tokens: int) -> int:
 
 def kernels(c: Layer) -> dict[str, Kernel]:
     """The prefill kernels of the layer, by family."""
-    from .plan import Kernel
+    from .plan import TARGETS, Kernel
 
     e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
     t = tiles(c)
@@ -121,9 +122,16 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     def kern(family: str, name: str, threads: int, targs: tuple[str, ...], sig: tuple, args: tuple[str, ...],
              body: str, comment: str) -> Kernel:
         return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
-                      tuple(s[2] for s in sig), body, comment)
+                      tuple(s[2] for s in sig), body, comment,
+                      min_blocks=down_blocks if family.startswith("gemm_down") else 0)
 
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
+    down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
+    # down blocks a multiprocessor fits by shared memory (asked of the compiler: registers to match)
+    # (a multiprocessor holds smem_per_block + 1 KB, each block 1 KB of it for the system)
+    sm_smem = TARGETS[c.spec.arch].smem_per_block + 1024
+    down_blocks = min(2, sm_smem // (t.down_smem_bytes + 1024)) if not t.ws else 0
+    down_blocks = down_blocks if down_blocks > 1 else 0
     out = {
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
                         (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
@@ -150,18 +158,18 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e)), "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
+        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
                           ("false", str(c.tune.down_tiles)),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
-                           ("const uint4* __restrict__ w2", None, "w.w2"), table, ("float* __restrict__ y", None, "ws.y")),
+                           ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y")),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e)), "prefill_gemm",
-                          f"prefill: Y = H' Wd per expert (fp32), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
+                          f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
                         EW_THREADS, (),
-                        (("const float* __restrict__ y", None, "ws.y"), slot,
+                        (("const bf16_t* __restrict__ y", None, "ws.y"), slot,
                          ("const float* __restrict__ wts", None, "ws.topk_w"),
                          ("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ out", None, "out"),
-                         *((("const float* __restrict__ ys", None, "ws.ys"),) if si else ()),
+                         *((("const bf16_t* __restrict__ ys", None, "ws.ys"),) if si else ()),
                          *((("const float* __restrict__ gate", None, "ws.gate_s"),) if c.gated else ())),
                         ("y", "slot", "wts", "x", "out", str(h), str(k), "blockIdx.x",
                          f"(blockIdx.y * {EW_THREADS} + threadIdx.x) * 4",
@@ -178,12 +186,12 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1"), "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
-            "gemm_down_shared", f"down_shared_h{h}_i{si}_{gemm}_m{c.tune.down_tiles}_bf16", t.packed_threads,
+            "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
             ("false", str(c.tune.down_tiles)),
             (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("float* __restrict__ y", None, "ws.ys")),
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys")),
             ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1"), "prefill_gemm",
-            "prefill: the shared expert's YS = H' Wd (fp32)")
+            "prefill: the shared expert's YS = H' Wd (bf16)")
     return out
 
 

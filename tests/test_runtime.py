@@ -189,7 +189,7 @@ def test_tuned_plans_get_every_pointer(fake_cuda, name, tuning):
             make_plan(spec, tuning=tuning)
         return
     plan = make_plan(spec, tuning=tuning)
-    blocks = {ln.block for b in plan.buckets for ln in b.launches if "gate_up" in ln.kernel}
+    blocks = {ln.block for b in plan.buckets for ln in b.launches if "gate_up" in ln.kernel and "prefill" not in ln.kernel}
     assert 32 * tuning.warps in blocks and blocks <= {32 * w for w in (2, 4, 8)}  # fewer where a ring would not fit
     assert next(w for w in plan.weights if w.name == "w2").mats == tuning.down_tiles
     _check_pointers(fake_cuda, spec, plan)
@@ -429,7 +429,8 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that
     splits the tokens, its route by one that does not group them), the GEMMs with their shared
-    memory; the producer-warpgroup tuning launches them as completely."""
+    memory (the analytic plan's with a producer warpgroup; the tuning without one launches them as
+    completely)."""
     plan = make_plan(dict(SPECS)["prefill"])
     assert plan.prefill_from == 256  # 16 experts, top-2: 32 tokens each on average at N = 256
     assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [256, 512, 1024]
@@ -440,12 +441,13 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     assert "_ks1_" in names[0] and names[1].endswith("_noslots_sm_90a")
     assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-3] for ln in b.launches)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
-    ws = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_ws=True))
-    assert ws.prefill_tiles[3] and any("_ws_" in k.name for k in ws.kernels)
-    _check_pointers(fake_cuda, dict(SPECS)["prefill"], ws)
-    small = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_bm=64, prefill_stages=3))
+    assert plan.prefill_tiles[3] and any("_ws_" in k.name for k in plan.kernels)  # the producer warpgroup's
+    plain = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_ws=False))
+    assert not plain.prefill_tiles[3] and not any("_ws_" in k.name for k in plain.kernels)
+    _check_pointers(fake_cuda, dict(SPECS)["prefill"], plain)
+    small = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_bm=64, prefill_stages=3, prefill_ws=False))
     gemms = [ln for ln in small.buckets[-1].launches if "gemm" in small.kernel(ln.kernel).family]
-    assert small.prefill_tiles == (64, 128, 3, False) and {ln.block for ln in gemms} == {128}
+    assert small.prefill_tiles == (64, 128, 3, False, 0) and {ln.block for ln in gemms} == {128}
     assert all(ln.smem <= 228 * 1024 // 2 for ln in gemms)  # two blocks a multiprocessor
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], small)
 

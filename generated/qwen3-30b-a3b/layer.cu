@@ -2506,72 +2506,145 @@ MOE_DEVICE int2 gemm_block(int experts) {
 }
 }  // namespace gg
 
-// One block: WARPS 16-row weight tiles (one per warp) x BN token rows of one expert.
+// A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
+// (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
+// each column at its permuted place. Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
+// the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one token
+// (the even row token n's, the odd row token n + 1's).
+template <bool GATED, int NACC, int BN>
+MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
+                              void* __restrict__ out) {
+#pragma unroll
+  for (int j = 0; j < BN / 2; j += 2) {
+    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
+    const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
+    if (GATED) {  // column i of H at its permuted place: col = 8t + 4s + 2q + jj -> 16s + 8q + 2t + jj
+      const int c = i & 31;
+      const int at = (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1);
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        if (n + t < rows && i < n_out)
+          static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
+              f32_to_bf16(activate<true>(acc[0][j + t], acc[NACC - 1][j + t]));
+    } else {
+      const bool odd = (lane >> 2) & 1;
+      const float a0 = acc[0][j], a1 = acc[0][j + 1];
+      const float v = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+      const u32 word = odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
+      const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i;
+      if (t < rows && col < n_out)
+        *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out + col) = word;
+    }
+  }
+}
+
+namespace gg {
+MOE_DEVICE void mbar_arrive(u32 addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
+// Arrives on the barrier once every cp.async this thread issued before has landed.
+MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
+}
+}  // namespace gg
+
+// One block: WARPS consumer warps (two warpgroups, a 16-row weight tile each warp) x BN token
+// rows of one expert, and a producer warpgroup that fills an S-stage ring by cp.async, each stage
+// announced by a `full` barrier (the producers' copies landed) and released by an `empty` one
+// (both consumer warpgroups' wgmmas on it completed). The consumer warpgroups run on their own:
+// one's wgmma overlaps the other's waits. Registers move from the producers to the consumers
+// (setmaxnreg).
 // GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments,
 // the tile's rows X'[tok[row0 + r]] (GATHER false: X'[row0 + r], the shared expert's);
 // out is H' bf16 [P][n_out] (n_out = I), each row's I permuted in 32-wide chunks as permute_k
 // does, ready to be the down GEMM's X'. Otherwise (down): w is the interleaved GEMV layout
-// [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y fp32 [P][n_out] (n_out = H).
+// [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y bf16 [P][n_out] (n_out = H).
 template <bool GATED, int MATS, bool GATHER = GATED>
 MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts) {
-  constexpr int BN = 128, BK = 64, S = 4, THREADS = 256, WARPS = THREADS / 32;
+  constexpr int BN = 128, BK = 64, S = GATED ? 4 : 4, CONSUMERS = 256;
+  constexpr int WARPS = CONSUMERS / 32;
+  constexpr int PT = 128;  // producer threads
   constexpr int UNITS = GATED ? 8 : 4;  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step)
   constexpr int B_BYTES = BN * BK * 2, A_WARP = UNITS * 512, STAGE = B_BYTES + WARPS * A_WARP;
-  constexpr int BJ = BN * 8 / THREADS, NACC = GATED ? 2 : 1;
-  static_assert(BJ * THREADS == BN * 8 && S >= 3 && (B_BYTES % 1024) == 0 && (STAGE % 1024) == 0, "tile shape");
+  constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = GATED ? 2 : 1;
+  static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
+                (STAGE % 1024) == 0, "tile shape");
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
   unsigned char* sbase = smem_raw + (base - raw);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const u32 full = base + S * STAGE, empty = full + S * 8;  // S barriers each, 8 bytes a barrier
+  const int tid = threadIdx.x;
   const int2 blk = gg::gemm_block(experts);  // (row block, tile)
   const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
   if (rows <= 0) return;  // past the routing's tiles (the grid is sized for the most there can be)
-  const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
-  const int kc = k_dim / 32;
-  // unit u of k-tile kt: GATED (chunk 2kt + u/4, matrix u/2 % 2, k-step u % 2); else (chunk 2kt + u/2, k-step u % 2)
-  const uint4* asrc = GATED ? w + ((size_t)e * row_tiles + it) * kc * 4 * 32 + lane
-                            : w + (((size_t)e * (row_tiles / MATS) + it / MATS) * kc * MATS + it % MATS) * 64 + lane;
-  const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
-  const bf16_t* bsrc[BJ];
-  u32 bdst[BJ];
-  bool alive[BJ];
-#pragma unroll
-  for (int j = 0; j < BJ; ++j) {
-    const int i = tid + j * THREADS, r = i >> 3, c = i & 7;
-    alive[j] = r < rows;
-    // gate/up gathers the tokens' rows of X' (GATHER; the shared expert's: every token in order);
-    // down reads H' by permuted row
-    bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + c * 8;
-    bdst[j] = gg::swz128(r, c);
-  }
-  const int ktiles = k_dim / BK;
-  auto load = [&](int kt) {
-    if (kt < ktiles) {
-      unsigned char* st = sbase + (kt % S) * STAGE;
-#pragma unroll
-      for (int j = 0; j < BJ; ++j) cp_async16(st + bdst[j], bsrc[j] + kt * BK, alive[j]);
-#pragma unroll
-      for (int u = 0; u < UNITS; ++u) {
-        const size_t off = GATED ? ((size_t)kt * 8 + u) * 32
-                                 : (((size_t)kt * 2 + u / 2) * MATS * 2 + u % 2) * 32;  // chunk stride MATS*2 units
-        cp_async16(st + adst + u * 512, asrc + off, true);
-      }
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s * 8, PT);
+      mbar_init(empty + s * 8, CONSUMERS / 128);
     }
-    cp_async_commit();
-  };
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int kc = k_dim / 32, ktiles = k_dim / BK;
 
+  if (tid >= CONSUMERS) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int p = tid - CONSUMERS, pu = p >> 5, pl = p & 31;
+    const bf16_t* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
+    bool alive[BJ];
+#pragma unroll
+    for (int j = 0; j < BJ; ++j) {
+      const int r = (p + j * PT) >> 3;
+      alive[j] = r < rows;
+      bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + (p & 7) * 8;
+    }
+    // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS, lane
+    // q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source moves by
+    // a fixed stride per k-tile, so every address is a base plus constants.
+    static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
+    const size_t wstride = GATED ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
+    const uint4* abase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
+                               : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
+                                     ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
+    const u32 adst = B_BYTES + pu * 512 + pl * 16;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % S;
+      if (kt >= S) mbar_wait(empty + s * 8, ((kt / S) - 1) & 1);
+      unsigned char* st = sbase + s * STAGE;
+#pragma unroll
+      for (int j = 0; j < BJ; ++j)
+        cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
+#pragma unroll
+      for (int j = 0; j < AJ; ++j) {
+        const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
+                               : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
+        cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+      }
+      gg::cp_async_mbar_arrive(full + s * 8);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  const int warp = tid >> 5, lane = tid & 31;
+  const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
+  const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
   float acc[NACC][BN / 2];
 #pragma unroll
   for (int a = 0; a < NACC; ++a)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
+  // Two sets of A registers: tile kt + 1's fragments load while tile kt's wgmmas run.
   auto frags = [&](uint4 (&af)[NACC][4], int kt) {
+    mbar_wait(full + (kt % S) * 8, (kt / S) & 1);
+    gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + (u32)((kt % S) * STAGE);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
+    for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
 #pragma unroll
       for (int a = 0; a < NACC; ++a)
         af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
@@ -2591,17 +2664,9 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     gg::wg_wait<1>();  // group kt - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
-    cp_async_wait<S - 3>();  // this thread's part of tile kt + 1
-    gg::fence_async_smem();
-    __syncthreads();  // every thread's part of tile kt + 1; every warpgroup past group kt - 1
-    load(kt + S - 1);
+    if (kt > 0 && (tid & 127) == 0) gg::mbar_arrive(empty + ((kt - 1) % S) * 8);  // this warpgroup is done with it
     if (kt + 1 < ktiles) frags(nxt, kt + 1);
   };
-#pragma unroll
-  for (int kt = 0; kt < S - 1; ++kt) load(kt);
-  cp_async_wait<S - 2>();
-  gg::fence_async_smem();
-  __syncthreads();
   uint4 af0[NACC][4], af1[NACC][4];
   frags(af0, 0);
   for (int kt = 0; kt < ktiles; kt += 2) {
@@ -2612,22 +2677,8 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
 #pragma unroll
   for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
 
-  // Accumulator j: weight row 16*it + lane/4 (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2.
-#pragma unroll
-  for (int j = 0; j < BN / 2; ++j) {
-    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
-    const int n = (j >> 2) * 8 + 2 * (lane & 3) + (j & 1);
-    if (n >= rows || i >= n_out) continue;
-    if (GATED) {  // column i of H at its permuted place: col = 8t + 4s + 2q + jj -> 16s + 8q + 2t + jj
-      const int c = i & 31;
-      const int at = (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1);
-      static_cast<bf16_t*>(out)[(size_t)(row0 + n) * n_out + at] = f32_to_bf16(activate<true>(acc[0][j], acc[NACC - 1][j]));
-    } else {
-      static_cast<float*>(out)[(size_t)(row0 + n) * n_out + i] = acc[0][j];
-    }
-  }
+  prefill_store<GATED, NACC, BN>(acc, it, lane, rows, row0, n_out, out);
 }
-
 
 
 // ---- prefill token grouping (a stable counting sort by expert) and the weighted combine ----
@@ -2724,39 +2775,26 @@ MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int
   }
 }
 // out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
-// then + gate[t] * YS[t, c] with a shared expert (gate null: 1); bf16 out. Four columns c .. c + 3
-// of token t a thread.
-MOE_DEVICE void prefill_combine_body(const float* __restrict__ y, const int* __restrict__ slot,
+// then + gate[t] * YS[t, c] with a shared expert (gate null: 1); Y, YS and out bf16. Four columns
+// c .. c + 3 of token t a thread.
+MOE_DEVICE void fma_bf16x4(float (&s)[4], float w, const bf16_t* __restrict__ p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  s[0] = fmaf(w, bf16_to_f32((bf16_t)(v.x & 0xffffu)), s[0]);
+  s[1] = fmaf(w, bf16_to_f32((bf16_t)(v.x >> 16)), s[1]);
+  s[2] = fmaf(w, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
+  s[3] = fmaf(w, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
+}
+MOE_DEVICE void prefill_combine_body(const bf16_t* __restrict__ y, const int* __restrict__ slot,
                                      const float* __restrict__ wts, const bf16_t* __restrict__ x,
                                      bf16_t* __restrict__ out, int hidden, int top_k, int t, int c,
-                                     const float* __restrict__ ys = nullptr, const float* __restrict__ gate = nullptr) {
+                                     const bf16_t* __restrict__ ys = nullptr, const float* __restrict__ gate = nullptr) {
   if (c >= hidden) return;
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j = 0; j < top_k; ++j) {
-    const float wj = wts[t * top_k + j];
     const int row = slot[t * top_k + j];
-    if (row >= 0) {
-      const float4 v = *reinterpret_cast<const float4*>(y + (size_t)row * hidden + c);
-      s[0] = fmaf(wj, v.x, s[0]);
-      s[1] = fmaf(wj, v.y, s[1]);
-      s[2] = fmaf(wj, v.z, s[2]);
-      s[3] = fmaf(wj, v.w, s[3]);
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)t * hidden + c);
-      s[0] = fmaf(wj, bf16_to_f32((bf16_t)(v.x & 0xffffu)), s[0]);
-      s[1] = fmaf(wj, bf16_to_f32((bf16_t)(v.x >> 16)), s[1]);
-      s[2] = fmaf(wj, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
-      s[3] = fmaf(wj, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
-    }
+    fma_bf16x4(s, wts[t * top_k + j], row >= 0 ? y + (size_t)row * hidden + c : x + (size_t)t * hidden + c);
   }
-  if (ys) {
-    const float g = gate ? gate[t] : 1.0f;
-    const float4 v = *reinterpret_cast<const float4*>(ys + (size_t)t * hidden + c);
-    s[0] = fmaf(g, v.x, s[0]);
-    s[1] = fmaf(g, v.y, s[1]);
-    s[2] = fmaf(g, v.z, s[2]);
-    s[3] = fmaf(g, v.w, s[3]);
-  }
+  if (ys) fma_bf16x4(s, gate ? gate[t] : 1.0f, ys + (size_t)t * hidden + c);
   *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
 }
 // X' from X [n][hidden]: each 32-wide chunk in the GEMV tiles' K order (moegen.prefill.permute_k):
@@ -2903,19 +2941,19 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_prefill_gate_up_e128_h2048_i768_bm128_bn128_s4_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h) {
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e128_h2048_i768_bm128_bn128_s4_ws_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h) {
   prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 768, 2048, 48, 128);
 }
 #endif
-// prefill: Y = H' Wd per expert (fp32), 8 16-row tiles x 128 tokens a block
+// prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_prefill_down_e128_h2048_i768_bm128_bn128_s4_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, float* __restrict__ y) {
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e128_h2048_i768_bm128_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y) {
   prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const float* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
 }
 #endif
