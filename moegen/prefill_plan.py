@@ -150,19 +150,22 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
-        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.packed_threads,
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.packed_threads,
                              ("true", "2"),
                              (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
-                              ("bf16_t* __restrict__ h", None, "ws.act")),
-                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e)), "prefill_gemm",
+                              ("bf16_t* __restrict__ h", None, "ws.act"), n),
+                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e)),
+                             "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "gemm_down": kern("gemm_down", f"down_e{e}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
+        "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
                           ("false", str(c.tune.down_tiles)),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
-                           ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y")),
-                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e)), "prefill_gemm",
+                           ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
+                           n),
+                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e)),
+                          "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
                         EW_THREADS, (),
@@ -182,15 +185,15 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_bf16_silu_gated", t.packed_threads,
             ("true", "2", "false"),
             (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
-             stable, ("bf16_t* __restrict__ h", None, "ws.act_s")),
-            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1"), "prefill_gemm",
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n),
+            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0"), "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
             "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
             ("false", str(c.tune.down_tiles)),
             (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("bf16_t* __restrict__ y", None, "ws.ys")),
-            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1"), "prefill_gemm",
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n),
+            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0"), "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (bf16)")
     return out
 
@@ -207,10 +210,15 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         "count": ((chunks(c, nb), 1), GROUP_THREADS, 0),
         "scan": ((1, 1), GROUP_THREADS, 0),
         "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
-        "gemm_gate_up": ((c.i // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-        "gemm_down": ((c.h // 16 // warps, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes),
-        **({"gemm_gate_up_shared": ((c.si // 16 // warps, shared_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-            "gemm_down_shared": ((c.h // 16 // warps, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+        # GEMMs with short k-loops persistent (GemmTiles.persistent): one block a multiprocessor
+        "gemm_gate_up": (("sms", 1) if t.persistent(c.h) else (c.i // 16 // warps, max_tiles(c, nb)),
+                         t.packed_threads, t.gate_up_smem_bytes),
+        "gemm_down": (("sms", 1) if t.persistent(c.i) else (c.h // 16 // warps, max_tiles(c, nb)), t.packed_threads,
+                      t.down_smem_bytes),
+        **({"gemm_gate_up_shared": (("sms", 1) if t.persistent(c.h) else (c.si // 16 // warps, shared_tiles(c, nb)),
+                                    t.packed_threads, t.gate_up_smem_bytes),
+            "gemm_down_shared": (("sms", 1) if t.persistent(c.si) else (c.h // 16 // warps, shared_tiles(c, nb)),
+                                 t.packed_threads, t.down_smem_bytes)}
            if c.si else {}),
         "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
     }

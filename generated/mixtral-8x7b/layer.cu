@@ -1495,15 +1495,14 @@ MOE_DEVICE uint4 lds128(u32 addr) {
   asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-// The block's (weight row block, tile) in the grid (row blocks x tiles): consecutive blocks take G
+// Block b's (weight row block, tile) of the GEMM's rbs x tiles blocks: consecutive blocks take G
 // row blocks of one tile, then the same row blocks of the next tile, so that a wave of SMS
-// blocks covers about one expert's tiles (G = SMS / the tiles an expert has on average, from the
-// grid: the most tiles the routing makes is its tokens' tiles + one per expert). An expert's
-// weight rows then leave memory about once, and the tokens' rows are read once per G row blocks
-// (the row-block-fastest order read every weight row once per wave: ~14x Mixtral's weights at
+// blocks covers about one expert's tiles (G = SMS / the tiles an expert has on average: the most
+// tiles the routing makes is its tokens' tiles + one per expert). An expert's weight rows then
+// leave memory about once, and the tokens' rows are read once per G row blocks (the
+// row-block-fastest order read every weight row once per wave: ~14x Mixtral's weights at
 // N = 8192). Only which block computes a tile changes, never how.
-MOE_DEVICE int2 gemm_block(int experts) {
-  const int rbs = gridDim.x, tiles = gridDim.y, b = blockIdx.y * rbs + blockIdx.x;
+MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
   const int per_expert = max(1, tiles / experts - 1);
   const int g = min(rbs, max(1, 132 / per_expert));
   const int grp = b / (g * tiles), first = grp * g, size = min(g, rbs - first), rem = b - grp * g * tiles;
@@ -1556,7 +1555,9 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // One block: WARPS consumer warps (two warpgroups, a 16-row weight tile each warp) x BN token
 // rows of one expert, and a producer warpgroup that fills an S-stage ring by cp.async, each stage
 // announced by a `full` barrier (the producers' copies landed) and released by an `empty` one
-// (both consumer warpgroups' wgmmas on it completed). The consumer warpgroups run on their own:
+// (every consumer thread arrives once its warpgroup's wgmmas on the stage completed, its own
+// fragment reads before them; one arrival a warpgroup left racecheck without the order of the
+// other threads' reads). The consumer warpgroups run on their own:
 // one's wgmma overlaps the other's waits. Registers move from the producers to the consumers
 // (setmaxnreg).
 // GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments,
@@ -1567,7 +1568,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 template <bool GATED, int MATS, bool GATHER = GATED>
 MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
-                             int row_tiles, int experts) {
+                             int row_tiles, int experts, int n, int topk, int extra) {
   constexpr int BN = 128, BK = 64, S = GATED ? 4 : 4, CONSUMERS = 256;
   constexpr int WARPS = CONSUMERS / 32;
   constexpr int PT = 128;  // producer threads
@@ -1582,53 +1583,62 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
   unsigned char* sbase = smem_raw + (base - raw);
   const u32 full = base + S * STAGE, empty = full + S * 8;  // S barriers each, 8 bytes a barrier
   const int tid = threadIdx.x;
-  const int2 blk = gg::gemm_block(experts);  // (row block, tile)
-  const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
-  if (rows <= 0) return;  // past the routing's tiles (the grid is sized for the most there can be)
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + s * 8, PT);
-      mbar_init(empty + s * 8, CONSUMERS / 128);
+      mbar_init(empty + s * 8, CONSUMERS);  // every consumer thread, after its own reads of the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const int kc = k_dim / 32, ktiles = k_dim / BK;
+  // The grid's blocks take the GEMM's blocks (row block, tile) in turn: one each with a grid of
+  // them all, several with a persistent grid (one block a multiprocessor), the ring and its
+  // barriers running on across them (gk counts this block's k-tiles), so that the producers fill
+  // the next block's first stages while the consumers finish and store the last one's.
+  const int rbs = row_tiles / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     const int p = tid - CONSUMERS, pu = p >> 5, pl = p & 31;
-    const bf16_t* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
-    bool alive[BJ];
+    int gk = 0;
+    for (int b = b0; b < blocks; b += grid) {
+      const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
+      const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+      if (rows <= 0) continue;  // past the routing's tiles
+      const bf16_t* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
+      bool alive[BJ];
 #pragma unroll
-    for (int j = 0; j < BJ; ++j) {
-      const int r = (p + j * PT) >> 3;
-      alive[j] = r < rows;
-      bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + (p & 7) * 8;
-    }
-    // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS, lane
-    // q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source moves by
-    // a fixed stride per k-tile, so every address is a base plus constants.
-    static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
-    const size_t wstride = GATED ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
-    const uint4* abase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
-                               : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
-                                     ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
-    const u32 adst = B_BYTES + pu * 512 + pl * 16;
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const int s = kt % S;
-      if (kt >= S) mbar_wait(empty + s * 8, ((kt / S) - 1) & 1);
-      unsigned char* st = sbase + s * STAGE;
-#pragma unroll
-      for (int j = 0; j < BJ; ++j)
-        cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
-#pragma unroll
-      for (int j = 0; j < AJ; ++j) {
-        const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
-                               : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
-        cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+      for (int j = 0; j < BJ; ++j) {
+        const int r = (p + j * PT) >> 3;
+        alive[j] = r < rows;
+        bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + (p & 7) * 8;
       }
-      gg::cp_async_mbar_arrive(full + s * 8);
+      // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS,
+      // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
+      // moves by a fixed stride per k-tile, so every address is a base plus constants.
+      static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
+      const size_t wstride = GATED ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
+      const uint4* abase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
+                                       ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
+      const u32 adst = B_BYTES + pu * 512 + pl * 16;
+      for (int kt = 0; kt < ktiles; ++kt, ++gk) {
+        const int s = gk % S;
+        if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
+        unsigned char* st = sbase + s * STAGE;
+#pragma unroll
+        for (int j = 0; j < BJ; ++j)
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
+#pragma unroll
+        for (int j = 0; j < AJ; ++j) {
+          const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
+                                 : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
+          cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+        }
+        gg::cp_async_mbar_arrive(full + s * 8);
+      }
     }
     cp_async_wait<0>();
     return;
@@ -1636,26 +1646,28 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   const int warp = tid >> 5, lane = tid & 31;
-  const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
   const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
-  float acc[NACC][BN / 2];
+  float acc[NACC][BN / 2];  // each block's first wgmma overwrites them
 #pragma unroll
   for (int a = 0; a < NACC; ++a)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
-  // Two sets of A registers: tile kt + 1's fragments load while tile kt's wgmmas run.
-  auto frags = [&](uint4 (&af)[NACC][4], int kt) {
-    mbar_wait(full + (kt % S) * 8, (kt / S) & 1);
+  // Two sets of A registers: k-tile g + 1's fragments load while k-tile g's wgmmas run.
+  auto frags = [&](uint4 (&af)[NACC][4], int g) {
+    mbar_wait(full + (g % S) * 8, (g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
-    const u32 st = base + (u32)((kt % S) * STAGE);
+    const u32 st = base + (u32)((g % S) * STAGE);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
 #pragma unroll
       for (int a = 0; a < NACC; ++a)
         af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
   };
-  auto step = [&](int kt, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
-    const u32 st = base + (u32)((kt % S) * STAGE);
+  // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
+  // released (within the block: the last stage is released after the block's last group) and
+  // the next k-tile's fragments loaded
+  auto step = [&](int kt, int g, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
+    const u32 st = base + (u32)((g % S) * STAGE);
     gg::wg_fence();
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
@@ -1666,23 +1678,31 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
       for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a][kk], bd, kt > 0 || kk > 0);
     }
     gg::wg_commit();
-    gg::wg_wait<1>();  // group kt - 1 is done: its A registers (nxt) and its stage are free
+    gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
-    if (kt > 0 && (tid & 127) == 0) gg::mbar_arrive(empty + ((kt - 1) % S) * 8);  // this warpgroup is done with it
-    if (kt + 1 < ktiles) frags(nxt, kt + 1);
+    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+    if (kt + 1 < ktiles) frags(nxt, g + 1);
   };
-  uint4 af0[NACC][4], af1[NACC][4];
-  frags(af0, 0);
-  for (int kt = 0; kt < ktiles; kt += 2) {
-    step(kt, af0, af1);
-    if (kt + 1 < ktiles) step(kt + 1, af1, af0);
-  }
-  gg::wg_wait<0>();
+  int gk = 0;
+  for (int b = b0; b < blocks; b += grid) {
+    const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
+    const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+    if (rows <= 0) continue;
+    const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
+    uint4 af0[NACC][4], af1[NACC][4];
+    frags(af0, gk);
+    for (int kt = 0; kt < ktiles; kt += 2) {
+      step(kt, gk + kt, af0, af1);
+      if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+    }
+    gg::wg_wait<0>();
 #pragma unroll
-  for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
-
-  prefill_store<GATED, NACC, BN>(acc, it, lane, rows, row0, n_out, out);
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+    gk += ktiles;
+    gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
+    prefill_store<GATED, NACC, BN>(acc, it, lane, rows, row0, n_out, out);
+  }
 }
 
 
@@ -1940,14 +1960,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e8_k2_sm_90
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e8_h4096_i14336_bm128_bn128_s4_ws_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h) {
-  prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 14336, 4096, 896, 8);
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e8_k2_h4096_i14336_bm128_bn128_s4_ws_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n) {
+  prefill_gemm<true, 2>(xp, tok, w13, tiles, h, 14336, 4096, 896, 8, n, 2, 8);
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e8_h4096_i14336_bm128_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y) {
-  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 4096, 14336, 256, 8);
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e8_k2_h4096_i14336_bm128_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
+  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 4096, 14336, 256, 8, n, 2, 8);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
