@@ -84,9 +84,11 @@ class GemmTiles:
     def persistent(self, k_dim: int) -> bool:
         """Whether a GEMM over K = k_dim runs persistent (a block a multiprocessor taking the GEMM's
         blocks in turn; with a producer warpgroup only): where a block's k-loop is short enough that
-        its ring's filling and its epilogue weigh. Measured on the H200 (2026-11-30, N = 2048 and
-        8192): Qwen3-30B-A3B (K = 2048 and 768) 1686 against 1783 us, Mixtral-8x7B (K = 4096 and
-        14336) 12199 against 11602 us."""
+        its ring's filling and its epilogue weigh. Measured on the H200 (2026-11-30, `moegen tune`,
+        N = 8192, against the plain kernel in the same run): every GEMM persistent, Qwen3-30B-A3B
+        (K = 2048 and 768) 1686 against 1781 us, Mixtral-8x7B (K = 4096 and 14336) 12199 against
+        12304 us; a block per GEMM block (an earlier run), 1783 against 1851 us and 11602 against
+        12352 us."""
         return self.ws and k_dim // 64 <= PERSISTENT_KTILES
 
     @property

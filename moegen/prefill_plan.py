@@ -123,11 +123,16 @@ def kernels(c: Layer) -> dict[str, Kernel]:
              body: str, comment: str) -> Kernel:
         return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
                       tuple(s[2] for s in sig), body, comment,
-                      min_blocks=down_blocks if family.startswith("gemm_down") else 0)
+                      min_blocks=(1 if ws_cap and family.startswith("gemm") else
+                                  down_blocks if family.startswith("gemm_down") else 0))
 
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
     down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
-    # down blocks a multiprocessor fits by shared memory (asked of the compiler: registers to match)
+    # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
+    # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
+    # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already. Without a
+    # producer, the down blocks a multiprocessor fits by shared memory (registers asked to match).
+    ws_cap = t.ws and t.packed_threads <= 256
     # (a multiprocessor holds smem_per_block + 1 KB, each block 1 KB of it for the system)
     sm_smem = TARGETS[c.spec.arch].smem_per_block + 1024
     down_blocks = min(2, sm_smem // (t.down_smem_bytes + 1024)) if not t.ws else 0

@@ -162,3 +162,31 @@ def test_gate_up_writes_h_in_the_permuted_order():
     for at in range(0, 32, 2):  # and the permute kernel's position -> column, for even positions
         s, q, tt = at >> 4, (at >> 3) & 1, (at >> 1) & 3
         assert perm[at] == 8 * tt + 4 * s + 2 * q
+
+
+@pytest.mark.parametrize("tuning", [{}, {"prefill_bm": 64}, {"prefill_ws": False},
+                                    {"prefill_ws": False, "prefill_down_stages": 3}], ids=str)
+def test_layer_prefill_gemms_compile_without_serialized_wgmma(tuning):
+    """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings) compile
+    without spills and without ptxas's warnings that wgmmas are serialized (C7513, C7514: the A
+    registers or accumulators touched while a group is in flight) or that setmaxnreg is ignored
+    (C7508: no register count fixed at entry); a two-block down GEMM stays within its registers."""
+    from pathlib import Path
+
+    from moegen.build import render_all
+    from moegen.families import Tuning
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b.yaml")
+    plan = make_plan(spec, tuning=Tuning(**tuning))
+    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
+    for code in ("C7508", "C7513", "C7514"):
+        assert code not in out.log, out.log
+    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
+    for k in gemms:
+        r = out.resources[k.name]
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+        if k.min_blocks == 2:
+            assert r.registers * k.threads * 2 <= 65536, (k.name, r)
