@@ -188,12 +188,14 @@ class Plan:
 # The layer's kernels are compiled as COMPILE_PARTS programs at once, one thread each: on a 2-core
 # machine Qwen3-30B-A3B's 23 kernels took 2.25 s as one program with --split-compile=2 (its front
 # end and the uneven split leave a core idle), 1.55 s as two. The kernels are dealt out by the
-# seconds one of each family takes to compile alone (measured there, 2026-11-30), longest first,
-# each to the lightest part so far; a family not listed weighs 0.1.
+# seconds one of each family takes to compile alone (measured there, 2026-11-30, on Qwen3-30B-A3B,
+# Qwen3-Next-80B-A3B, Mixtral-8x7B and DeepSeek-V3-FP8; the prefill GEMMs with their producer
+# warpgroup), longest first, each to the lightest part so far; a family not listed weighs 0.1.
 COMPILE_PARTS = 2
-COMPILE_COST = {"single": 0.38, "prefill_gemm_gate_up": 0.38, "route": 0.30, "expert": 0.30, "down": 0.23,
-                "router": 0.20, "prefill_gemm_down": 0.14, "gate_up": 0.13, "pack": 0.08, "prefill_scan": 0.08,
-                "combine": 0.06, "prefill_combine": 0.06}
+COMPILE_COST = {"prefill_gemm_gate_up": 0.84, "single": 0.31, "expert": 0.30, "prefill_gemm_down": 0.26,
+                "router": 0.25, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06, "pack": 0.05,
+                "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02, "prefill_count": 0.01,
+                "prefill_permute": 0.01}
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:

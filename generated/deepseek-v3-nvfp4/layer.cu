@@ -1443,13 +1443,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -1467,7 +1467,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt1_n256_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 1, 4, 8, 14, 256, 256, true, 256, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1485,13 +1485,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 2, 4, 6, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt2_nvfp4_si2048_nts2_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 2, 2, 4, 7, 7, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1503,13 +1503,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 4, 4, 4, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt4_nvfp4_si2048_nts4_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 4, 4, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }

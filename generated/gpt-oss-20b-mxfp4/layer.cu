@@ -1443,13 +1443,13 @@ static_assert(4 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: top-4 of 32 raw logits (fp32 logits with bias) -> softmax over the 4; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e32_k4_softmax_logits_rbias_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<32, 32, 4, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -1467,7 +1467,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 }
 #endif
 // router: 32 rows x 2880, K split 18 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r32_h2880_ks18_nt1_n256_route_e32_k4_softmax_logits_rbias_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<90, 1, 4, 8, 18, 32, 256, true, 32, 4, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1485,19 +1485,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e32_h2880_i2880_k4_nt
 }
 #endif
 // router: 32 rows x 2880, K split 18 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r32_h2880_ks18_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<90, 2, 4, 6, 18, 32, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 32 rows x 2880, K split 18 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r32_h2880_ks18_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<90, 4, 4, 4, 18, 32, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e32_h2880_i2880_nt2_mxfp4_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
   gate_up_body<90, 2, 2, 4, 7, 7, 180, 0, 2880, 1, MOE_W_MXFP4, MOE_W_BF16, 32>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
 }
@@ -1509,7 +1509,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e32_h2880_i2880_k4_nt
 }
 #endif
 // gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e32_h2880_i2880_nt4_mxfp4_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
   gate_up_body<90, 4, 4, 4, 4, 4, 180, 0, 2880, 1, MOE_W_MXFP4, MOE_W_BF16, 32>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
 }

@@ -2438,7 +2438,7 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<128, 128, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2450,13 +2450,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const
 }
 #endif
 // weight packing, 2 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 #endif
 // weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -2468,7 +2468,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n256_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 256, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }

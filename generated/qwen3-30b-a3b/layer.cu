@@ -2846,7 +2846,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_sco
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -2906,7 +2906,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 2, 2, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2918,7 +2918,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 4, 4, 4, 3, 3, 2, 64, 2048, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2954,7 +2954,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
@@ -2966,7 +2966,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e128_k8_h2
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e128_k8_h2048_i768_bm128_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128);
 }
