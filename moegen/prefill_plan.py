@@ -135,8 +135,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     ws_cap = t.ws and t.packed_threads <= 256
     # (a multiprocessor holds smem_per_block + 1 KB, each block 1 KB of it for the system)
     sm_smem = TARGETS[c.spec.arch].smem_per_block + 1024
-    down_blocks = min(2, sm_smem // (t.down_smem_bytes + 1024)) if not t.ws else 0
-    down_blocks = down_blocks if down_blocks > 1 else 0
+    down_blocks = 2 if not t.ws and sm_smem // (t.down_smem_bytes + 1024) >= 2 else 0
     out = {
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
                         (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
@@ -210,20 +209,21 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     ks = kernels(c)
     t = tiles(c)
     warps = t.threads // 32
+
+    def gemm_grid(k_dim: int, n_out: int, n_tiles: int) -> tuple[int | str, int]:
+        """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
+        multiprocessor; otherwise a block per (row block, tile)."""
+        return ("sms", 1) if t.persistent(k_dim) else (n_out // 16 // warps, n_tiles)
+
     grids = {
         "permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0),
         "count": ((chunks(c, nb), 1), GROUP_THREADS, 0),
         "scan": ((1, 1), GROUP_THREADS, 0),
         "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
-        # GEMMs with short k-loops persistent (GemmTiles.persistent): one block a multiprocessor
-        "gemm_gate_up": (("sms", 1) if t.persistent(c.h) else (c.i // 16 // warps, max_tiles(c, nb)),
-                         t.packed_threads, t.gate_up_smem_bytes),
-        "gemm_down": (("sms", 1) if t.persistent(c.i) else (c.h // 16 // warps, max_tiles(c, nb)), t.packed_threads,
-                      t.down_smem_bytes),
-        **({"gemm_gate_up_shared": (("sms", 1) if t.persistent(c.h) else (c.si // 16 // warps, shared_tiles(c, nb)),
-                                    t.packed_threads, t.gate_up_smem_bytes),
-            "gemm_down_shared": (("sms", 1) if t.persistent(c.si) else (c.h // 16 // warps, shared_tiles(c, nb)),
-                                 t.packed_threads, t.down_smem_bytes)}
+        "gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
+        "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes),
+        **({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
+            "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
            if c.si else {}),
         "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
     }
