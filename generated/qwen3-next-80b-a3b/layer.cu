@@ -1500,21 +1500,21 @@ MOE_DEVICE float route_score(float s) {
 // The route of the one token, by warp 0, for the rules without expert groups, hash tables,
 // identity experts or SparseMixer (the others take route_body): the same choices as route_body
 // (the k largest selection values, equal values: the lower expert). Lane l holds experts
-// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts) and keeps its best remaining
-// value between the k rounds (a pairwise tree over its values); each round takes the warp's
-// largest key and the lowest lane holding it (one reduction and one ballot), and only that lane
-// looks again. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
+// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts), sorted by selection value;
+// each round takes the warp's largest key and the lowest lane holding it (one reduction and one
+// ballot), and only that lane moves on in its list. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
 // L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
 // ids, w, gate (shared memory).
-// OVERLAP: once the first `need` choices are in ids, every lane arrives on the mbarrier `first` (the
-// other warps, waiting on it, start streaming their first unit; each lane's arrival releases its
-// own writes of choices).
-template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP = false>
+// OVERLAP: once every choice is in ids, the warp calls after(), then every lane arrives on the
+// mbarrier `chosen` (the other warps, waiting on it, start streaming; each lane's arrival releases
+// its own writes of choices); the weights are left to route_weights (the choices' scores in pick;
+// LOGIT_ORDER without RENORM: the sum over every expert in *all). Otherwise the weights go to
+// w_out before it returns.
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP, class After>
 MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
-                          const float* __restrict__ router_bias, int* ids, float* w_out, float* gate, int need = 0,
-                          u32 first = 0) {
+                          const float* __restrict__ router_bias, int* ids, float* s_pick, float* w_out, float* gate,
+                          float* all_out, u32 chosen, After after) {
   constexpr int EPL = (E + 31) / 32;
-  __shared__ float s_pick[K];
   const int lane = threadIdx.x & 31;
   float v[EPL], sel[EPL];
   float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
@@ -1573,51 +1573,67 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     const int e = lane * EPL + i;
     sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
   }
-  float lv, ls;  // this lane's best remaining selection value, its score, its slot i
-  int li;
-  auto best = [&]() {  // pairwise tree; equal values: the left (lower) slot
-    float bv[EPL], bs[EPL];
-    int bi[EPL];
+  // This lane's experts as (key, slot) pairs, sorted once: a larger selection value first, equal
+  // values the lower slot (a bitonic network over the next power of two, the slots past EPL keyed
+  // below every expert). Each round the warp takes the largest first key (the lowest lane among
+  // equal ones) and only that lane shifts its list: one reduction, one ballot and a shift a round
+  // (a pairwise tree over the lane's values each round took three times as long with 16 a lane).
+  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
+  static_assert(EPL <= 16, "route_one: at most 512 experts");
+  u32 ck[P2];
+  int ci[P2];
+  float cs[R::CORR_BIAS ? P2 : 1];  // the scores, where the selection values are not (a correction bias)
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      bv[i] = sel[i];
-      bs[i] = v[i];
-      bi[i] = i;
-    }
+  for (int i = 0; i < P2; ++i) {
+    ck[i] = i < EPL ? order_key(sel[i]) : 0u;
+    ci[i] = i;
+    if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
+  }
 #pragma unroll
-    for (int w = 1; w < EPL; w *= 2)
+  for (int size = 2; size <= P2; size *= 2)
 #pragma unroll
-      for (int i = 0; i + w < EPL; i += 2 * w)
-        if (bv[i + w] > bv[i]) {
-          bv[i] = bv[i + w];
-          bs[i] = bs[i + w];
-          bi[i] = bi[i + w];
+    for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+      for (int i = 0; i < P2; ++i) {
+        const int o = i ^ stride;
+        if (o > i) {  // i's pair: descending where i & size is 0, ascending elsewhere (selects, no branches)
+          const bool o_first = ck[o] > ck[i] || (ck[o] == ck[i] && ci[o] < ci[i]);
+          const bool sw = o_first == ((i & size) == 0);
+          const u32 ki = ck[i], ko = ck[o];
+          const int si = ci[i], so = ci[o];
+          ck[i] = sw ? ko : ki;
+          ck[o] = sw ? ki : ko;
+          ci[i] = sw ? so : si;
+          ci[o] = sw ? si : so;
+          if (R::CORR_BIAS) {
+            const float fi = cs[i], fo = cs[o];
+            cs[i] = sw ? fo : fi;
+            cs[o] = sw ? fi : fo;
+          }
         }
-    lv = bv[0];
-    ls = bs[0];
-    li = bi[0];
-  };
-  best();
-  if (OVERLAP && need == 0) mbar_arrive(first);
+      }
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
-    const u32 key = order_key(lv);
-    const u32 kmax = __reduce_max_sync(0xffffffffu, key);
-    const int owner = __ffs(__ballot_sync(0xffffffffu, key == kmax)) - 1;
+    const u32 kmax = __reduce_max_sync(0xffffffffu, ck[0]);
+    const int owner = __ffs(__ballot_sync(0xffffffffu, ck[0] == kmax)) - 1;
     if (lane == owner) {
-      ids[j] = lane * EPL + li;
-      s_pick[j] = ls;
+      ids[j] = lane * EPL + ci[0];
+      s_pick[j] = R::CORR_BIAS ? cs[0] : key_value(ck[0]);  // (without a bias the value is the score)
 #pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        if (i == li) sel[i] = MOE_NEG_INF;
-      best();
-    }
-    if (OVERLAP && j + 1 == need) {  // choices 0 .. need - 1 written: the others may go
-      __syncwarp();
-      mbar_arrive(first);
+      for (int i = 0; i + 1 < P2; ++i) {
+        ck[i] = ck[i + 1];
+        ci[i] = ci[i + 1];
+        if (R::CORR_BIAS) cs[i] = cs[i + 1];
+      }
+      ck[P2 - 1] = 0u;
     }
   }
   __syncwarp();
+  if (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
+    after();      // pipeline, where its shared-memory accesses and copies would queue), then the others
+    __syncwarp();
+    mbar_arrive(chosen);
+  }
   float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
   if (LOGIT_ORDER && !R::RENORM) {
     const float top = s_pick[0];  // the first choice: the largest logit
@@ -1625,7 +1641,11 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
     all = warp_sum(all);
   }
-  route_weights<K, R>(s_pick, all, w_out);
+  if (OVERLAP) {
+    if (lane == 0) *all_out = all;
+  } else {
+    route_weights<K, R>(s_pick, all, w_out);
+  }
   if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
 }
 
@@ -1761,9 +1781,13 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
 // row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
 // (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
-// grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): the other warps start
-// streaming this block's first gate/up unit as soon as warp 0's route has chosen its expert (an
-// mbarrier, route_mem[0]), and go past their first unit's loads once the route is whole (route_mem[1]).
+// grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): warp 0 routes alone
+// and asks for this block's down rows; the other warps wait for the choices only (an mbarrier,
+// route_mem), not for the weights (computed in the down phase). Their loads are not in flight
+// meanwhile: with them in flight (the first unit's, as each block's expert was chosen) the route
+// took three times as long (its shared-memory accesses queued behind them), and so did the copies
+// asked for after it. (Asking for each expert's rows as it was chosen measured 0.1-0.3 us
+// slower: the copies' issue slowed the rounds.)
 // Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
@@ -1830,9 +1854,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
-  // OVERLAP: mbarriers of the route, warp 0's 32 lanes arriving on each: the block's first unit's
-  // choice, every choice
-  __shared__ __align__(8) unsigned long long route_mem[2];
+  // OVERLAP: the route's mbarrier (every choice made), warp 0's 32 lanes arriving
+  __shared__ __align__(8) unsigned long long route_mem[1];
   // TAGS: the partial logits (route), then the activations (down), staged here
   constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
   __shared__ __align__(16) unsigned char s_stage[STAGE];
@@ -1845,18 +1868,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
   __shared__ float s_w[K], s_gate[1];
-  // route_block: the choices' scores, every expert's score, the shared gate's logit
-  __shared__ float s_pick[K], s_vall[BLOCK_ROUTE ? E : 1], s_gl;
+  // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
+  // gate's logit; OVERLAP: the sum over every expert that route_weights may need
+  __shared__ float s_pick[K], s_vall[BLOCK_ROUTE ? E : 1], s_gl, s_all;
   __shared__ u32 s_ep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
-  const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: the first unit's choice; + 8: every choice
+  const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: every choice made
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
-    if (OVERLAP) {
-      mbar_init(rbar, 32);
-      mbar_init(rbar + 8, 32);
-    }
+    if (OVERLAP) mbar_init(rbar, 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
@@ -1868,42 +1889,45 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // (FP4: its row group's run of one operand, both tiles: one bulk copy, and one for its scales)
   constexpr bool WHOLE = TPB == 1 || FP4;
   constexpr bool SPREAD = (TMAP || WHOLE) && !OVERLAP && DSLOTS <= WARPS;
-  auto request = [&](int rb) {
+  // operand s's pieces of output rows rb: one tensor copy (tile mt of row group `group`) or one bulk copy
+  auto one = [&](int rb, int s) {
     const int group = rb / TPB, mt = rb % TPB;  // (the tensor maps fenced after the router)
-    auto one = [&](int s) {  // operand s's pieces: one tensor copy (tile mt of row group `group`) or one bulk copy
-      const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
-      mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
-      const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
-      if (TMAP) {
-        if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
-        else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
-      } else if (s < K) {
-        bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / (16 * TPB)) + group) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
-      } else {
-        bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
-      }
-      if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
-        const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
-        bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
-                  reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
-      }
-    };
-    // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
-    auto scales = [&](int i) {
-      const int s = i / KBD, kb = i % KBD;
-      if (s < K ? kb < I / 128 : kb < IS / 128)
-        cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
-                                   : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
-    };
+    const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
+    mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
+    const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
+    if (TMAP) {
+      if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
+      else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
+    } else if (s < K) {
+      bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / (16 * TPB)) + group) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
+    } else {
+      bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+    }
+    if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+      const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
+      bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
+                reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
+    }
+  };
+  // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
+  auto scales = [&](int rb, int i) {
+    const int s = i / KBD, kb = i % KBD;
+    if (s < K ? kb < I / 128 : kb < IS / 128)
+      cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
+                                 : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
+  };
+  // this block's output rows rb: every operand
+  auto request = [&](int rb) {
+    const int group = rb / TPB, mt = rb % TPB;
     if (SPREAD) {
       if (warp < DSLOTS) {
-        if (lane == 0) one(warp);
-        if (FP8 && lane < KBD) scales(warp * KBD + lane);
+        if (lane == 0) one(rb, warp);
+        if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
       }
       if (FP8) cp_async_commit();
     } else if (warp == 0) {
       if (TMAP || WHOLE) {
-        if (lane < DSLOTS) one(lane);
+        if (lane < DSLOTS) one(rb, lane);
       } else {
         if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
         __syncwarp();
@@ -1920,7 +1944,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         }
       }
       if (FP8) {
-        for (int i = lane; i < DSLOTS * KBD; i += 32) scales(i);
+        for (int i = lane; i < DSLOTS * KBD; i += 32) scales(rb, i);
         cp_async_commit();
       }
     }
@@ -2029,14 +2053,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
-      const int need = (int)blockIdx.x < K * TI ? (int)blockIdx.x / TI + 1 : 0;  // OVERLAP: the first unit's choice
+      auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
+        if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+      };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
-                OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_w, s_gate, need,
-                         rbar);
-      if (OVERLAP) {  // every choice and weight written
-        __syncwarp();
-        mbar_arrive(rbar + 8);
-      }
+                OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
+                         after);
     }
   } else {
     static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
@@ -2044,7 +2066,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1);
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
-  if (OVERLAP) {  // warps 1..: this block's first unit's choice is written
+  if (OVERLAP) {  // warps 1..: every choice is written
     if (warp != 0) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
@@ -2052,10 +2074,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
   if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
-    if (!BLOCK_ROUTE) topk_w[threadIdx.x] = s_w[threadIdx.x];
+    if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
-  // this block's first 16 output rows of down: every piece asked for now
-  if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+  // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
+  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2133,8 +2155,6 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     constexpr int P0 = P < CPU ? P : CPU;  // the first round's loads of the first unit
 #pragma unroll
     for (int s = 0; s < P0; ++s) load(s, buf[s], scl[s], sq[s]);
-    // OVERLAP: the first unit's loads are out; the later units' choices come with the whole route
-    if (OVERLAP && warp != 0 && u0 == (int)blockIdx.x) mbar_wait(rbar + 8, 0);
 #pragma unroll
     for (int k = 1; k < UR; ++k)
       if (k < nu) unit_base(k);
@@ -2214,7 +2234,6 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  if (OVERLAP && warp != 0 && (int)blockIdx.x >= UNITS) mbar_wait(rbar + 8, 0);
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
@@ -2226,6 +2245,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
       if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
+      if (OVERLAP && warp == 0) route_weights<K, RouteRule>(s_pick, s_all, s_w);
       for (;;) {
         bool stale = false;
         uint4 q[PER];
@@ -2252,7 +2272,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         reinterpret_cast<uint4*>(s_act)[v] = __ldcg(reinterpret_cast<const uint4*>(8 * v < K * I ? act + 8 * v : act_s + (8 * v - K * I)));
       __syncthreads();
     }
-    if (BLOCK_ROUTE && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+    if ((BLOCK_ROUTE || OVERLAP) && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
   }
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
@@ -2267,13 +2287,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         __syncthreads();
       }
     }
-    // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c). Every
-    // operand's pieces waited for, then this warp's products DG operands at a time, unrolled, each
-    // operand its own accumulator: the loads of one overlap the products of the others (a loop
-    // over the operands waited on each one's loads and products in turn: shared memory's latency,
-    // not its bandwidth, bounded it)
-#pragma unroll 1
-    for (int s = 0; s < DSLOTS; ++s) mbar_wait(bar + 8 * s, parity);
+    // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c): its
+    // products DG operands at a time, unrolled, each operand its own accumulator, so that the loads
+    // of one overlap the products of the others (a loop over the operands waited on each one's
+    // loads and products in turn: shared memory's latency, not its bandwidth, bounded it). Each
+    // operand's pieces are waited for just before its loads, so that the products of the operands
+    // that have landed can run while the others land.
     // operands a group: 8 or fewer in groups of 4 unless exactly 8, more in two halves (the
     // accumulators and loads of one group in registers, no spills for the shapes compiled here)
     constexpr int DG = DSLOTS == 8 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
@@ -2287,6 +2306,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
 #pragma unroll
         for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
+        if (s < DSLOTS) mbar_wait(bar + 8 * s, parity);
 #pragma unroll
         for (int i = 0; i < CWM; ++i) {
           const int c = c0 + i * WARPS;
