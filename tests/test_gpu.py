@@ -309,6 +309,33 @@ def test_batch_invariance(case: Case):
         assert torch.equal(alone.view(torch.int16), full[3:4].view(torch.int16))
 
 
+
+def _prefill_pair(plan: Any) -> tuple[int, int] | None:
+    """Two token counts in different prefill buckets: 1024 (or the first bucket's end) and the
+    largest bucket end up to 8192; None with fewer than two prefill buckets."""
+    ends = [b.max_tokens for b in plan.buckets if plan.prefill_from and b.max_tokens >= plan.prefill_from]
+    ends = [e for e in ends if e <= 8192]
+    if len(ends) < 2:
+        return None
+    small = next((e for e in ends[:-1] if e >= 1024), ends[0])
+    return small, ends[-1]
+
+
+def test_prefill_batch_invariance_across_buckets(case: Case):
+    """A token prefilled in a batch of 1024 or of 8192 (different buckets, other tile positions and
+    companions, another grid): the same output bits."""
+    import torch
+
+    pair = _prefill_pair(case.plan)
+    if pair is None:
+        pytest.skip(f"{case.spec.name} has fewer than two prefill buckets")
+    small, big = pair
+    x = torch.randn(big, case.plan.hidden, device="cuda", dtype=torch.bfloat16)
+    full = _run(case, x, torch)
+    part = _run(case, x[big - small:].flip(0).contiguous(), torch)  # the last tokens, reversed
+    assert torch.equal(part.flip(0).view(torch.int16), full[big - small:].view(torch.int16)), (
+        f"{case.spec.name}: tokens prefilled among {small} differ from the same tokens among {big}")
+
 def test_launch_errors(case: Case):
     import torch
 
