@@ -1502,8 +1502,8 @@ MOE_DEVICE float route_score(float s) {
 // (the k largest selection values, equal values: the lower expert). Lane l holds experts
 // l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts), sorted by selection value;
 // each round takes the warp's largest key and the lowest lane holding it (one reduction and one
-// ballot), and only that lane moves on in its list. The partial logits: part p at logits + p * PSTRIDE, in global memory (read from
-// L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
+// ballot), and only that lane moves on in its list. The partial logits: part p at logits +
+// p * PSTRIDE, in global memory (read from L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
 // ids, w, gate (shared memory).
 // OVERLAP: once every choice is in ids, the warp calls after(), then every lane arrives on the
 // mbarrier `chosen` (the other warps, waiting on it, start streaming; each lane's arrival releases
@@ -1576,8 +1576,8 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   // This lane's experts as (key, slot) pairs, sorted once: a larger selection value first, equal
   // values the lower slot (a bitonic network over the next power of two, the slots past EPL keyed
   // below every expert). Each round the warp takes the largest first key (the lowest lane among
-  // equal ones) and only that lane shifts its list: one reduction, one ballot and a shift a round
-  // (a pairwise tree over the lane's values each round took three times as long with 16 a lane).
+  // equal ones) and only that lane shifts its list: one reduction, one ballot and a shift a round,
+  // where a pairwise tree over the lane's remaining values ran again in the winning lane.
   constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
   static_assert(EPL <= 16, "route_one: at most 512 experts");
   u32 ck[P2];
