@@ -1510,11 +1510,6 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
 }
 }  // namespace gg
 
-// A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
-// (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
-// each column at its permuted place. Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
-// the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one token
-// (the even row token n's, the odd row token n + 1's).
 // SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only): expf, then
 // div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0 as the IEEE
 // division gives). The IEEE division's slow path, inlined at each of the epilogue's sites (64 at
@@ -1524,6 +1519,11 @@ MOE_DEVICE float silu_mul(float g, float u) {
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
+// A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
+// (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
+// each column at its permuted place. Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
+// the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one token
+// (the even row token n's, the odd row token n + 1's).
 template <bool GATED, int NACC, int BN>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out) {
