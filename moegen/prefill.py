@@ -35,6 +35,10 @@ class GemmTiles:
     # (4 fragments a warp and k-tile, not 8): with 3 stages two blocks fit a multiprocessor, one's
     # prologue and epilogue under the other's k-loop, which matters where K = I is short.
     down_stages: int = 0
+    # FP8 block weights (e4m3 codes, 128 x 128 block scales) with bf16 activations: half the A
+    # fragments a stage; each K block's products in their own accumulators before they are scaled
+    # into the sums, so two sets of accumulators (with a producer warpgroup only, bn <= 64).
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -43,6 +47,9 @@ class GemmTiles:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
         if self.stages < 3 or self.down_stages not in (0, 3, 4):
             raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: at least 3; down 3 or 4 (0: as stages)")
+        if self.fp8 and not (self.ws and self.bn <= 64):
+            raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
+                             "(a K block's accumulators beside the sums)")
 
     @property
     def dstages(self) -> int:
@@ -74,12 +81,17 @@ class GemmTiles:
         return f"moe_grouped_gemm_bm{self.bm}_bn{self.bn}_s{self.stages}_bf16"
 
     @property
+    def wfmt(self) -> str:
+        """The weights' format in the kernels' names."""
+        return "fp8" if self.fp8 else "bf16"
+
+    @property
     def gate_up_name(self) -> str:
-        return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}{'_ws' if self.ws else ''}_bf16"
+        return f"moe_prefill_gate_up_w{self.bm // 64}_bn{self.bn}_s{self.stages}{'_ws' if self.ws else ''}_{self.wfmt}"
 
     @property
     def down_name(self) -> str:
-        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.dstages}{'_ws' if self.ws else ''}_bf16"
+        return f"moe_prefill_down_w{self.bm // 64}_bn{self.bn}_s{self.dstages}{'_ws' if self.ws else ''}_{self.wfmt}"
 
     def persistent(self, k_dim: int) -> bool:
         """Whether a GEMM over K = k_dim runs persistent (a block a multiprocessor taking the GEMM's
@@ -93,12 +105,12 @@ class GemmTiles:
 
     @property
     def down_smem_bytes(self) -> int:
-        return self.dstages * (self.bn * 128 + self.threads // 32 * 4 * 512 + (16 if self.ws else 0)) + 1024
+        return self.dstages * (self.bn * 128 + self.threads // 32 * (2 if self.fp8 else 4) * 512 + (16 if self.ws else 0)) + 1024
 
     @property
     def gate_up_smem_bytes(self) -> int:
-        """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments."""
-        return self.stages * (self.bn * 128 + self.threads // 32 * 8 * 512 + (16 if self.ws else 0)) + 1024
+        """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments (FP8: 4)."""
+        return self.stages * (self.bn * 128 + self.threads // 32 * (4 if self.fp8 else 8) * 512 + (16 if self.ws else 0)) + 1024
 
 
 PERSISTENT_KTILES = 32  # 64-wide k-tiles up to which a GEMM with a producer warpgroup runs persistent

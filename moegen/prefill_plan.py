@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .plan import Buffer, Kernel, Launch
 
 TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
+FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix in registers)
 TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
@@ -32,22 +33,28 @@ EW_THREADS = 256  # permute and combine
 def tiles(c: Layer) -> GemmTiles:
     """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
     t = c.tune
-    return GemmTiles(t.prefill_bm or TILES.bm, TILES.bn, t.prefill_stages or TILES.stages, ws=t.prefill_ws,
-                     down_stages=t.prefill_down_stages)
+    fp8 = c.fmt_e == "fp8_block"  # FP8 block weights: bn 64 (a K block's accumulators beside the sums)
+    return GemmTiles(t.prefill_bm or TILES.bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
+                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8)
 
 
 def unsupported(c: Layer) -> str:
-    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16
-    SiLU-gated routed experts without biases, all on this device, and a BF16 shared expert (as
-    one more GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on the
-    GEMV path)."""
+    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16 or
+    FP8 block (weight-only: bf16 activations, 128-multiple widths, the producer warpgroup)
+    SiLU-gated routed experts without biases, all on this device, and a shared expert in the
+    routed experts' format (as one more GEMM pair over all tokens; the tuning prefill_shared=False
+    keeps such layers on the GEMV path)."""
     spec = c.spec
     w = tiles(c).threads // 32
+    fp8 = c.fmt_e == "fp8_block"
     checks = (
-        (c.fmt_e != "bf16", f"experts.format={c.fmt_e}"),
+        (c.fmt_e not in ("bf16", "fp8_block"), f"experts.format={c.fmt_e}"),
+        (fp8 and c.kf_e != "fp8_block", "FP8 activations (experts.fp8_activations)"),
+        (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
+        (fp8 and (c.h % 128 or c.i % 128 or c.si % 128), "FP8 weights with widths not multiples of 128"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
-        (c.si > 0 and (c.fmt_s != "bf16" or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
+        (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias, "expert biases"),
         (c.woi, "routing weights on the input"),
         (c.ep_size > 1, "expert parallelism"),
@@ -127,12 +134,22 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                                   down_blocks if family.startswith("gemm_down") else 0))
 
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
+    wf = t.wfmt
+    # FP8: the block scales after the GEMMs' other arguments, and the template's FP8 flag
+    def scales(name: str) -> tuple:
+        return ((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 else ()
+
+    def sarg(name: str) -> tuple[str, ...]:
+        return (name,) if t.fp8 else ()
+
+    fp8 = ("true",) if t.fp8 else ()
     down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
-    # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already. Without a
+    # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already where the
+    # consumers need more (BF16), not where they need fewer (FP8: C7508 again). Without a
     # producer, the down blocks a multiprocessor fits by shared memory (registers asked to match).
-    ws_cap = t.ws and t.packed_threads <= 256
+    ws_cap = t.ws and (t.packed_threads <= 256 or t.fp8)
     # (a multiprocessor holds smem_per_block + 1 KB, each block 1 KB of it for the system)
     sm_smem = TARGETS[c.spec.arch].smem_per_block + 1024
     down_blocks = 2 if not t.ws and sm_smem // (t.down_smem_bytes + 1024) >= 2 else 0
@@ -154,21 +171,23 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
-        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_bf16_silu_gated", t.packed_threads,
-                             ("true", "2"),
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_silu_gated", t.packed_threads,
+                             ("true", "2", *(("true",) + fp8 if t.fp8 else ())),
                              (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
-                              ("bf16_t* __restrict__ h", None, "ws.act"), n),
-                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e)),
+                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13")),
+                             ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
+                              *sarg("s13")),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
-                          ("false", str(c.tune.down_tiles)),
+        "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
+                          ("false", str(c.tune.down_tiles), *(("false",) + fp8 if t.fp8 else ())),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
-                           n),
-                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e)),
+                           n, *scales("s2")),
+                          ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
+                           *sarg("s2")),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
@@ -186,18 +205,20 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     }
     if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
         out["gemm_gate_up_shared"] = kern(
-            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_bf16_silu_gated", t.packed_threads,
-            ("true", "2", "false"),
+            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_silu_gated", t.packed_threads,
+            ("true", "2", "false", *fp8),
             (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
-             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n),
-            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0"), "prefill_gemm",
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13")),
+            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0", *sarg("ss13")),
+            "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
-            "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_bf16", t.packed_threads,
-            ("false", str(c.tune.down_tiles)),
+            "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
+            ("false", str(c.tune.down_tiles), *(("false",) + fp8 if t.fp8 else ())),
             (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n),
-            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0"), "prefill_gemm",
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2")),
+            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0", *sarg("ss2")),
+            "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (bf16)")
     return out
 

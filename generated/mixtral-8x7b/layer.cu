@@ -1574,14 +1574,22 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // out is H' bf16 [P][n_out] (n_out = I), each row's I permuted in 32-wide chunks as permute_k
 // does, ready to be the down GEMM's X'. Otherwise (down): w is the interleaved GEMV layout
 // [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y bf16 [P][n_out] (n_out = H).
-template <bool GATED, int MATS, bool GATHER = GATED>
+// FP8 (block-scaled e4m3 weights, bf16 activations): w holds one 16-byte fragment per lane, matrix
+// and chunk (both k-steps' codes: [..][K/32][MATS][32]), which become the two bf16 A fragments
+// exactly in registers (e4m3x16_to_bf16; the same K order as BF16's, so X' is the same); sc are the
+// fp32 scales of the 128 x 128 blocks, [matrix][E][n_out/128][K/128]. Each 128-wide K block's
+// products go to their own accumulators (two k-tiles), which are then added to the sums times
+// the block's scale in fp32, as the reference scales each block: a warpgroup's 64 rows share one.
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false>
 MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
-                             int row_tiles, int experts, int n, int topk, int extra) {
+                             int row_tiles, int experts, int n, int topk, int extra,
+                             const float* __restrict__ sc = nullptr) {
   constexpr int BN = 128, BK = 64, S = GATED ? 4 : 4, CONSUMERS = 256;
   constexpr int WARPS = CONSUMERS / 32;
   constexpr int PT = 128;  // producer threads
-  constexpr int UNITS = GATED ? 8 : 4;  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step)
+  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up])
+  constexpr int UNITS = (GATED ? 8 : 4) / (FP8 ? 2 : 1);
   constexpr int B_BYTES = BN * BK * 2, A_WARP = UNITS * 512, STAGE = B_BYTES + WARPS * A_WARP;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = GATED ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
@@ -1633,6 +1641,12 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
+      // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
+      // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
+      // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
+      const uint4* fbase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 +
+                                       (pu % 2) * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
         if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
@@ -1640,11 +1654,21 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
 #pragma unroll
         for (int j = 0; j < BJ; ++j)
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
+        if constexpr (FP8) {
 #pragma unroll
-        for (int j = 0; j < AJ; ++j) {
-          const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
-                                 : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
-          cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+          for (int j = 0; j < AJ; ++j) {
+            const int wq = GATED ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
+            const uint4* a = GATED ? fbase + (size_t)j * kc * 64 + (size_t)kt * 128
+                                   : fbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 + (size_t)kt * MATS * 64;
+            cp_async16(st + B_BYTES + wq * A_WARP + (GATED ? pu : (pu & 1)) * 512 + pl * 16, a, true);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < AJ; ++j) {
+            const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
+                                   : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
+            cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+          }
         }
         gg::cp_async_mbar_arrive(full + s * 8);
       }
@@ -1666,30 +1690,82 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     mbar_wait(full + (g % S) * 8, (g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + (u32)((g % S) * STAGE);
+    if constexpr (FP8) {  // a chunk's codes (both k-steps), made bf16 fragments at their wgmma
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
+      for (int c = 0; c < 2; ++c)
 #pragma unroll
-      for (int a = 0; a < NACC; ++a)
-        af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+        for (int a = 0; a < NACC; ++a) af[a][c] = gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
+#pragma unroll
+        for (int a = 0; a < NACC; ++a)
+          af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+    }
   };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
   // released (within the block: the last stage is released after the block's last group) and
   // the next k-tile's fragments loaded
+  // FP8: the current 128-wide K block's products (each block's first wgmma overwrites them), and
+  // the block scales of this warpgroup's rows: [matrix][E][n_out / 128][K / 128]
+  constexpr int TACC = FP8 ? BN / 2 : 1;
+  float tmp[NACC][TACC];
+  const float* scw = nullptr;
+  float scv[NACC];
   auto step = [&](int kt, int g, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
     const u32 st = base + (u32)((g % S) * STAGE);
     gg::wg_fence();
+    if constexpr (FP8) {
+      static_assert(BN / 2 == TACC, "FP8: a K block's own accumulators");
+      if ((kt & 1) == 0) {  // this K block's scales, read while its two k-tiles run
 #pragma unroll
-    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+        for (int a = 0; a < NACC; ++a) scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / 2);
+      }
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const unsigned long long bd = gg::smem_desc(st + kk * 32);
+      for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
+      // every k-step's bf16 fragments first (the group reads them while it runs: they stay
+      // unchanged until its wait), then the group
+      uint4 kf[NACC][4];
 #pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a][kk], bd, kt > 0 || kk > 0);
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) e4m3x16_to_bf16(cur[a][c], kf[a][2 * c], kf[a][2 * c + 1]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const unsigned long long bd = gg::smem_desc(st + kk * 32);
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(tmp[a], kf[a][kk], bd, (kt & 1) || kk > 0);
+      }
+      gg::wg_commit();
+      // the next k-tile's codes load meanwhile (into the other set), then the group is waited for
+      // whole: the next group's fragments reuse these registers (the other warpgroup's wgmmas
+      // keep the tensor cores busy)
+      if (kt + 1 < ktiles) frags(nxt, g + 1);
+      gg::wg_wait<0>();
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
+      if (kt & 1) {  // the K block's last k-tile: its products, scaled, into the sums
+#pragma unroll
+        for (int a = 0; a < NACC; ++a)
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
+      }
+      if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+      return;
+    } else {
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const unsigned long long bd = gg::smem_desc(st + kk * 32);
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a][kk], bd, kt > 0 || kk > 0);
+      }
+      gg::wg_commit();
+      gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     }
-    gg::wg_commit();
-    gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
-#pragma unroll
-    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
     if (kt + 1 < ktiles) frags(nxt, g + 1);
   };
@@ -1699,6 +1775,8 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
     if (rows <= 0) continue;
     const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
+    if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows
+      scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + it / 8) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];
     frags(af0, gk);
     for (int kt = 0; kt < ktiles; kt += 2) {
