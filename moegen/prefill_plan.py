@@ -33,14 +33,16 @@ EW_THREADS = 256  # permute and combine
 def tiles(c: Layer) -> GemmTiles:
     """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
     t = c.tune
-    fp8 = c.fmt_e == "fp8_block"  # FP8 block weights: bn 64 (a K block's accumulators beside the sums)
+    # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
+    # warpgroup only (unsupported() names the rest)
+    fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
     return GemmTiles(t.prefill_bm or TILES.bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8)
 
 
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16 or
-    FP8 block (weight-only: bf16 activations, 128-multiple widths, the producer warpgroup)
+    FP8 block (weight-only: bf16 activations; the producer warpgroup)
     SiLU-gated routed experts without biases, all on this device, and a shared expert in the
     routed experts' format (as one more GEMM pair over all tokens; the tuning prefill_shared=False
     keeps such layers on the GEMV path)."""
@@ -51,7 +53,6 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e not in ("bf16", "fp8_block"), f"experts.format={c.fmt_e}"),
         (fp8 and c.kf_e != "fp8_block", "FP8 activations (experts.fp8_activations)"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
-        (fp8 and (c.h % 128 or c.i % 128 or c.si % 128), "FP8 weights with widths not multiples of 128"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),

@@ -164,13 +164,16 @@ def test_gate_up_writes_h_in_the_permuted_order():
         assert perm[at] == 8 * tt + 4 * s + 2 * q
 
 
-@pytest.mark.parametrize("tuning", [{}, {"prefill_bm": 64}, {"prefill_ws": False},
-                                    {"prefill_ws": False, "prefill_down_stages": 3}], ids=str)
-def test_layer_prefill_gemms_compile_without_serialized_wgmma(tuning):
-    """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings) compile
-    without spills and without ptxas's warnings that wgmmas are serialized (C7513, C7514: the A
-    registers or accumulators touched while a group is in flight) or that setmaxnreg is ignored
-    (C7508: no register count fixed at entry); a two-block down GEMM stays within its registers."""
+@pytest.mark.parametrize("name,tuning", [("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"prefill_bm": 64}),
+                                         ("qwen3-30b-a3b", {"prefill_ws": False}),
+                                         ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
+                                         ("qwen3-30b-a3b-fp8", {})], ids=str)
+def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
+    """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings; BF16 and
+    FP8 block weights) compile without spills and without ptxas's warnings that wgmmas are
+    serialized (C7513, C7514: the A registers or accumulators touched while a group is in flight)
+    or that setmaxnreg is ignored (C7508: no register count fixed at entry); a two-block down GEMM
+    stays within its registers."""
     from pathlib import Path
 
     from moegen.build import render_all
@@ -178,15 +181,39 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(tuning):
     from moegen.plan import make_plan
     from moegen.spec import load_spec
 
-    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b.yaml")
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
     plan = make_plan(spec, tuning=Tuning(**tuning))
     out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
     for code in ("C7508", "C7513", "C7514"):
         assert code not in out.log, out.log
     gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
+    assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
     for k in gemms:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
         if k.min_blocks == 2:
             assert r.registers * k.threads * 2 <= 65536, (k.name, r)
+
+
+def test_fp8_prefill_takes_weight_only_block_scaled_layers():
+    """FP8 block weights get prefill buckets with bf16 activations and the producer warpgroup only:
+    FP8 activations or the plain kernel are refused by name, and those layers stay on the GEMV path."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.families import Layer, Tuning
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import parse_spec
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b-fp8.yaml").read_text())
+    ok = make_plan(parse_spec(data, check_generated=False))
+    assert ok.prefill_from and ok.prefill_tiles[1] == prefill_plan.FP8_BN and ok.prefill_tiles[-1] is True
+    cases = (({**data, "experts": {**data["experts"], "fp8_activations": True}}, {}, "FP8 activations"),
+             (data, {"prefill_ws": False}, "without the producer warpgroup"))
+    for d, tune, why in cases:
+        spec = parse_spec(d, check_generated=False)
+        assert why in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(**tune)))
+        assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0

@@ -1690,11 +1690,12 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     mbar_wait(full + (g % S) * 8, (g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + (u32)((g % S) * STAGE);
-    if constexpr (FP8) {  // a chunk's codes (both k-steps), made bf16 fragments at their wgmma
+    if constexpr (FP8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int a = 0; a < NACC; ++a) af[a][c] = gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512);
+        for (int a = 0; a < NACC; ++a)
+          e4m3x16_to_bf16(gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512), af[a][2 * c], af[a][2 * c + 1]);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
@@ -1723,34 +1724,27 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
       }
 #pragma unroll
       for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
-      // every k-step's bf16 fragments first (the group reads them while it runs: they stay
-      // unchanged until its wait), then the group
-      uint4 kf[NACC][4];
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) e4m3x16_to_bf16(cur[a][c], kf[a][2 * c], kf[a][2 * c + 1]);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const unsigned long long bd = gg::smem_desc(st + kk * 32);
 #pragma unroll
-        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(tmp[a], kf[a][kk], bd, (kt & 1) || kk > 0);
+        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(tmp[a], cur[a][kk], bd, (kt & 1) || kk > 0);
       }
       gg::wg_commit();
-      // the next k-tile's codes load meanwhile (into the other set), then the group is waited for
-      // whole: the next group's fragments reuse these registers (the other warpgroup's wgmmas
-      // keep the tensor cores busy)
-      if (kt + 1 < ktiles) frags(nxt, g + 1);
-      gg::wg_wait<0>();
+      gg::wg_wait<1>();  // group g - 1 is done: its fragments (nxt) and its stage are free
 #pragma unroll
       for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
+      if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+      if (kt + 1 < ktiles) frags(nxt, g + 1);  // the next k-tile's fragments while this group runs
       if (kt & 1) {  // the K block's last k-tile: its products, scaled, into the sums
+        gg::wg_wait<0>();
 #pragma unroll
-        for (int a = 0; a < NACC; ++a)
+        for (int a = 0; a < NACC; ++a) {
+          gg::fence_regs(tmp[a]);
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
+        }
       }
-      if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
       return;
     } else {
 #pragma unroll
