@@ -191,17 +191,23 @@ class Plan:
 # seconds one of each family takes to compile alone (measured there, 2026-11-30, on Qwen3-30B-A3B,
 # Qwen3-Next-80B-A3B, Mixtral-8x7B and DeepSeek-V3-FP8; the prefill GEMMs with their producer
 # warpgroup), longest first, each to the lightest part so far; a family not listed weighs 0.1.
+# FP8 block weights change three families' costs ("+fp8"; Qwen3-30B-A3B-FP8, the same day).
 COMPILE_PARTS = 2
 COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.31, "expert": 0.30, "prefill_gemm_down": 0.26,
                 "router+route": 0.23, "router": 0.11, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06,
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
-                "prefill_count": 0.01, "prefill_permute": 0.01}
+                "prefill_count": 0.01, "prefill_permute": 0.01,
+                "single+fp8": 0.44, "prefill_gemm_gate_up+fp8": 0.31, "prefill_gemm_down+fp8": 0.19}
 
 
 def compile_cost(k: Kernel) -> float:
     """COMPILE_COST of a kernel: its family's, a router whose last block routes (its name carries the
-    route) as "router+route"."""
+    route) as "router+route", a kernel on FP8 block weights (its name says so) as "<family>+fp8"
+    where that is listed."""
     fused = k.family == "router" and "_route_" in k.name
+    fp8 = k.family + "+fp8"
+    if fp8 in COMPILE_COST and ("_fp8_block_" in k.name or "_ws_fp8_" in k.name or "_fp8_sm_" in k.name):
+        return COMPILE_COST[fp8]
     return COMPILE_COST.get(k.family + ("+route" if fused else ""), 0.1)
 
 
