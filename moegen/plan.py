@@ -205,10 +205,8 @@ def compile_cost(k: Kernel) -> float:
     route) as "router+route", a kernel on FP8 block weights (its name says so) as "<family>+fp8"
     where that is listed."""
     fused = k.family == "router" and "_route_" in k.name
-    fp8 = k.family + "+fp8"
-    if fp8 in COMPILE_COST and ("_fp8_block_" in k.name or "_ws_fp8_" in k.name or "_fp8_sm_" in k.name):
-        return COMPILE_COST[fp8]
-    return COMPILE_COST.get(k.family + ("+route" if fused else ""), 0.1)
+    fp8 = "fp8" in k.name.split("_") and k.family + "+fp8" in COMPILE_COST
+    return COMPILE_COST.get(k.family + ("+fp8" if fp8 else "+route" if fused else ""), 0.1)
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:

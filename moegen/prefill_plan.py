@@ -41,11 +41,11 @@ def tiles(c: Layer) -> GemmTiles:
 
 
 def unsupported(c: Layer) -> str:
-    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take BF16 or
-    FP8 block (weight-only: bf16 activations; the producer warpgroup)
-    SiLU-gated routed experts without biases, all on this device, and a shared expert in the
-    routed experts' format (as one more GEMM pair over all tokens; the tuning prefill_shared=False
-    keeps such layers on the GEMV path)."""
+    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take SiLU-gated
+    routed experts without biases, all on this device, in BF16 or FP8 block (weight-only: bf16
+    activations; with the producer warpgroup), and a shared expert in the routed experts' format
+    (as one more GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on
+    the GEMV path)."""
     spec = c.spec
     w = tiles(c).threads // 32
     fp8 = c.fmt_e == "fp8_block"
@@ -136,14 +136,17 @@ def kernels(c: Layer) -> dict[str, Kernel]:
 
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
     wf = t.wfmt
-    # FP8: the block scales after the GEMMs' other arguments, and the template's FP8 flag
+
+    def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
+        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8 where set."""
+        return (gated, mats, *((gather or gated,) if gather or t.fp8 else ()), *(("true",) if t.fp8 else ()))
+
+    # FP8: the block scales after the GEMMs' other arguments
     def scales(name: str) -> tuple:
         return ((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 else ()
 
     def sarg(name: str) -> tuple[str, ...]:
         return (name,) if t.fp8 else ()
-
-    fp8 = ("true",) if t.fp8 else ()
     down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
@@ -173,7 +176,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_silu_gated", t.packed_threads,
-                             ("true", "2", *(("true",) + fp8 if t.fp8 else ())),
+                             targs("true", "2"),
                              (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13")),
@@ -183,7 +186,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
-                          ("false", str(c.tune.down_tiles), *(("false",) + fp8 if t.fp8 else ())),
+                          targs("false", str(c.tune.down_tiles)),
                           (("const bf16_t* __restrict__ hp", None, "ws.act"),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
                            n, *scales("s2")),
@@ -207,7 +210,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
         out["gemm_gate_up_shared"] = kern(
             "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_silu_gated", t.packed_threads,
-            ("true", "2", "false", *fp8),
+            targs("true", "2", "false"),
             (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
              stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13")),
             ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0", *sarg("ss13")),
@@ -215,7 +218,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
             "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
-            ("false", str(c.tune.down_tiles), *(("false",) + fp8 if t.fp8 else ())),
+            targs("false", str(c.tune.down_tiles)),
             (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
              stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2")),
             ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0", *sarg("ss2")),

@@ -1715,27 +1715,30 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
   float scv[NACC];
   auto step = [&](int kt, int g, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
     const u32 st = base + (u32)((g % S) * STAGE);
+    // the group's accumulators: the sums, or (FP8) the K block's own
+    auto& d = [&]() -> float(&)[NACC][BN / 2] {
+      if constexpr (FP8) return tmp; else return acc;
+    }();
+    if (FP8 && (kt & 1) == 0) {  // this K block's scales, read while its two k-tiles run
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / 2);
+    }
     gg::wg_fence();
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned long long bd = gg::smem_desc(st + kk * 32);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? (kt & 1) : kt > 0) || kk > 0);
+    }
+    gg::wg_commit();
+    gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
+    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+    if (kt + 1 < ktiles) frags(nxt, g + 1);  // the next k-tile's fragments while this group runs
     if constexpr (FP8) {
-      static_assert(BN / 2 == TACC, "FP8: a K block's own accumulators");
-      if ((kt & 1) == 0) {  // this K block's scales, read while its two k-tiles run
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / 2);
-      }
-#pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const unsigned long long bd = gg::smem_desc(st + kk * 32);
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(tmp[a], cur[a][kk], bd, (kt & 1) || kk > 0);
-      }
-      gg::wg_commit();
-      gg::wg_wait<1>();  // group g - 1 is done: its fragments (nxt) and its stage are free
-#pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
-      if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
-      if (kt + 1 < ktiles) frags(nxt, g + 1);  // the next k-tile's fragments while this group runs
       if (kt & 1) {  // the K block's last k-tile: its products, scaled, into the sums
         gg::wg_wait<0>();
 #pragma unroll
@@ -1745,23 +1748,7 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
           for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
         }
       }
-      return;
-    } else {
-#pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const unsigned long long bd = gg::smem_desc(st + kk * 32);
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a][kk], bd, kt > 0 || kk > 0);
-      }
-      gg::wg_commit();
-      gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
-#pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     }
-    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
-    if (kt + 1 < ktiles) frags(nxt, g + 1);
   };
   int gk = 0;
   for (int b = b0; b < blocks; b += grid) {
