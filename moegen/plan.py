@@ -170,7 +170,7 @@ class Plan:
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
-    prefill_tiles: tuple[int, int, int, bool, int, bool] = ()  # their GEMMs' (bm, bn, stages, ws, down_stages, fp8): GemmTiles
+    prefill_tiles: tuple[int, int, int, bool, int, bool, bool] = ()  # their GEMMs' (bm, bn, stages, ws, down_stages, fp8, a8)
     tensor_maps: tuple[TensorMap, ...] = ()  # what the kernels copy weights with (the weights' buffer "tmaps")
 
     def kernel(self, name: str) -> Kernel:
@@ -319,7 +319,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
                              "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
            if nf else {"kernel_order": ("router (+ route)", "route", "gate_up", "down + combine",
-                                         f"from {pf} tokens, after the route: permute", "count", "scan", "place",
+                                         f"from {pf} tokens, after the route: permute (FP8 activations: quantize)", "count", "scan", "place",
                                          "gate/up GEMM", "down GEMM", "combine")} if pf else {}),
     )
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):

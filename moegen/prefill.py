@@ -39,6 +39,10 @@ class GemmTiles:
     # fragments a stage; each K block's products in their own accumulators before they are scaled
     # into the sums, so two sets of accumulators (with a producer warpgroup only, bn <= 64).
     fp8: bool = False
+    # FP8 activations too (with fp8): the tokens' rows as e4m3 codes in A8_ORDER with a scale per
+    # token and 128 channels, multiplied on the tensor cores as codes (wgmma e4m3, k-tiles 128 wide,
+    # each a K block), the scales in each stage
+    a8: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -50,6 +54,8 @@ class GemmTiles:
         if self.fp8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
                              "(a K block's accumulators beside the sums)")
+        if self.a8 and not self.fp8:
+            raise ValueError("a8 (FP8 activations) without fp8 (FP8 block weights)")
 
     @property
     def dstages(self) -> int:
@@ -83,7 +89,7 @@ class GemmTiles:
     @property
     def wfmt(self) -> str:
         """The weights' format in the kernels' names."""
-        return "fp8" if self.fp8 else "bf16"
+        return "fp8a8" if self.a8 else "fp8" if self.fp8 else "bf16"
 
     @property
     def gate_up_name(self) -> str:
@@ -103,17 +109,27 @@ class GemmTiles:
         12352 us."""
         return self.ws and k_dim // 64 <= PERSISTENT_KTILES
 
+    def _stage(self, units: int) -> int:
+        """A stage of the ring: the tokens' B tile, each warp's `units` 16-byte fragments a lane (FP8
+        weight-only: half of them), the tokens' scales (A8: 1 KB) and the stage's two barriers."""
+        return (self.bn * 128 + self.threads // 32 * (units // 2 if self.fp8 and not self.a8 else units) * 512
+                + (1024 if self.a8 else 0) + (16 if self.ws else 0))
+
     @property
     def down_smem_bytes(self) -> int:
-        return self.dstages * (self.bn * 128 + self.threads // 32 * (2 if self.fp8 else 4) * 512 + (16 if self.ws else 0)) + 1024
+        return self.dstages * self._stage(4) + 1024
 
     @property
     def gate_up_smem_bytes(self) -> int:
         """The gate/up kernel's ring: per stage the tokens' B tile and each warp's 8 fragments (FP8: 4)."""
-        return self.stages * (self.bn * 128 + self.threads // 32 * (4 if self.fp8 else 8) * 512 + (16 if self.ws else 0)) + 1024
+        return self.stages * self._stage(8) + 1024
 
 
 PERSISTENT_KTILES = 32  # 64-wide k-tiles up to which a GEMM with a producer warpgroup runs persistent
+# FP8 activations: the column of each 32-wide chunk at logical K position L (the e4m3 wgmma's A
+# fragment holds k 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of lane t; the packed codes give lane t
+# columns 8t .. 8t + 7): the activations' codes are stored in this order.
+A8_ORDER = tuple(8 * ((L % 16) // 4) + 4 * (L // 16) + L % 4 for L in range(32))
 DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
 MAX_EXPERTS = 512  # routed experts the grouping kernels handle (shared-memory tables)
 

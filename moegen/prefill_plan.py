@@ -37,21 +37,20 @@ def tiles(c: Layer) -> GemmTiles:
     # warpgroup only (unsupported() names the rest)
     fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
     return GemmTiles(t.prefill_bm or TILES.bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
-                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8)
+                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8)
 
 
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take SiLU-gated
-    routed experts without biases, all on this device, in BF16 or FP8 block (weight-only: bf16
-    activations; with the producer warpgroup), and a shared expert in the routed experts' format
-    (as one more GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on
-    the GEMV path)."""
+    routed experts without biases, all on this device, in BF16 or FP8 block (bf16 activations, or
+    with experts.fp8_activations e4m3 codes per token and 128 channels; with the producer
+    warpgroup), and a shared expert in the routed experts' format (as one more GEMM pair over all
+    tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)."""
     spec = c.spec
     w = tiles(c).threads // 32
     fp8 = c.fmt_e == "fp8_block"
     checks = (
         (c.fmt_e not in ("bf16", "fp8_block"), f"experts.format={c.fmt_e}"),
-        (fp8 and c.kf_e != "fp8_block", "FP8 activations (experts.fp8_activations)"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
@@ -97,7 +96,7 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
 
     n = c.nmax
     return (
-        Buffer("xp", "uint16", (n, c.h) if on else (1,)),
+        Buffer("xp", "uint16", (n, c.h) if on and not tiles(c).a8 else (1,)),  # (A8: the codes in xq)
         Buffer("counts", "int32", (chunks(c, n) * c.e_local,) if on else (1,)),
         Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
         Buffer("tiles", "int32", (max_tiles(c, n) * 3,) if on else (1,)),
@@ -138,15 +137,22 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     wf = t.wfmt
 
     def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
-        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8 where set."""
-        return (gated, mats, *((gather or gated,) if gather or t.fp8 else ()), *(("true",) if t.fp8 else ()))
+        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8 and A8 where set."""
+        return (gated, mats, *((gather or gated,) if gather or t.fp8 else ()), *(("true",) if t.fp8 else ()),
+                *(("true",) if t.a8 else ()))
 
-    # FP8: the block scales after the GEMMs' other arguments
-    def scales(name: str) -> tuple:
-        return ((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 else ()
+    # FP8: the block scales after the GEMMs' other arguments; A8: then the input rows' scales
+    def scales(name: str, xs: str = "") -> tuple:
+        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 else ()) + (
+            ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if t.a8 else ())
 
-    def sarg(name: str) -> tuple[str, ...]:
-        return (name,) if t.fp8 else ()
+    def sarg(name: str, xs: str = "") -> tuple[str, ...]:
+        return ((name,) if t.fp8 else ()) + ((xs,) if t.a8 else ())
+
+    # the GEMMs' inputs: bf16 rows (X' permuted, H' permuted by the gate/up epilogue), or with A8
+    # the e4m3 codes the quantization kernels write (x, then H in column order)
+    act_in = "const unsigned char* __restrict__" if t.a8 else "const bf16_t* __restrict__"
+    xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
     down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
@@ -177,21 +183,21 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_silu_gated", t.packed_threads,
                              targs("true", "2"),
-                             (("const bf16_t* __restrict__ xp", None, "ws.xp"), tok,
+                             ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
-                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13")),
+                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx")),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *sarg("s13")),
+                              *sarg("s13", "sx")),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
                           targs("false", str(c.tune.down_tiles)),
-                          (("const bf16_t* __restrict__ hp", None, "ws.act"),
+                          ((f"{act_in} hp", None, hin),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
-                           n, *scales("s2")),
+                           n, *scales("s2", "sa")),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
-                           *sarg("s2")),
+                           *sarg("s2", "sa")),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
@@ -207,21 +213,42 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                         "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order"
                         + (" + gate * YS" if c.gated else " + YS" if si else "")),
     }
+    if t.a8:  # FP8 activations: x, then the activations, quantized into codes in A8_ORDER (no X')
+        del out["permute"]
+        out["quant_x"] = kern("quant", f"quant_x_h{h}", EW_THREADS, (),
+                              (("const bf16_t* __restrict__ x", None, c.x_expert),
+                               ("unsigned char* __restrict__ xq", None, "ws.xq"), ("float* __restrict__ sx", None, "ws.sx"),
+                               n),
+                              ("x", "xq", "sx", str(h), "n"), "prefill_quant_body",
+                              "prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER")
+        shared_q = ((("const bf16_t* __restrict__ hs", None, "ws.act_s"),
+                     ("unsigned char* __restrict__ hsq", None, "ws.actq_s"), ("float* __restrict__ sas", None, "ws.sas"))
+                    if si else ())
+        out["quant_h"] = kern("quant", f"quant_h_i{i}_k{k}" + (f"_si{si}" if si else ""), EW_THREADS, (),
+                              (("const bf16_t* __restrict__ h", None, "ws.act"),
+                               ("unsigned char* __restrict__ hq", None, "ws.actq"), ("float* __restrict__ sa", None, "ws.sa"),
+                               *shared_q, n),
+                              ("h", "hq", "sa", str(i), f"n * {k}", *(("hs", "hsq", "sas", str(si), "n") if si else ())),
+                              "prefill_quant_body",
+                              "prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER"
+                              + (" (routed, then the shared expert's)" if si else ""))
     if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
         out["gemm_gate_up_shared"] = kern(
             "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_silu_gated", t.packed_threads,
             targs("true", "2", "false"),
-            (("const bf16_t* __restrict__ xp", None, "ws.xp"), ("const uint4* __restrict__ ws13", None, "w.ws13"),
-             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13")),
-            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0", *sarg("ss13")),
+            ((f"{act_in} xp", None, xin), ("const uint4* __restrict__ ws13", None, "w.ws13"),
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx")),
+            ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0",
+             *sarg("ss13", "sx")),
             "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
         out["gemm_down_shared"] = kern(
             "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
             targs("false", str(c.tune.down_tiles)),
-            (("const bf16_t* __restrict__ hp", None, "ws.act_s"), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2")),
-            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0", *sarg("ss2")),
+            ((f"{act_in} hp", None, hsin), ("const uint4* __restrict__ ws2", None, "w.ws2"),
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas")),
+            ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0",
+             *sarg("ss2", "sas")),
             "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (bf16)")
     return out
@@ -240,16 +267,24 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         multiprocessor; otherwise a block per (row block, tile)."""
         return ("sms", 1) if t.persistent(k_dim) else (n_out // 16 // warps, n_tiles)
 
-    grids = {
-        "permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0),
-        "count": ((chunks(c, nb), 1), GROUP_THREADS, 0),
-        "scan": ((1, 1), GROUP_THREADS, 0),
-        "place": ((chunks(c, nb), 1), GROUP_THREADS, 0),
-        "gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-        "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes),
-        **({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-            "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
-           if c.si else {}),
-        "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0),
-    }
+    def quant_grid(warps: int) -> tuple[int, int]:
+        """The quantization's grid: a warp per (row, 128 channels), grid-strided over 4 blocks a multiprocessor."""
+        return (max(1, min(-(-warps // (EW_THREADS // 32)), 4 * 132)), 1)
+
+    first = ({"quant_x": (quant_grid(nb * (c.h // 128)), EW_THREADS, 0)} if t.a8 else
+             {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
+    group = {"count": ((chunks(c, nb), 1), GROUP_THREADS, 0), "scan": ((1, 1), GROUP_THREADS, 0),
+             "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
+    routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
+              "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb)), t.packed_threads,
+                                       t.gate_up_smem_bytes),
+               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+              if c.si else {})
+    experts = {**routed, **shared}
+    if t.a8:  # both gate/up GEMMs, the quantization of their activations, then the downs
+        quant_h = {"quant_h": (quant_grid(nb * c.k * (c.i // 128) + nb * (c.si // 128)), EW_THREADS, 0)}
+        experts = {f: experts[f] for f in ("gemm_gate_up", "gemm_gate_up_shared") if f in experts} | quant_h | {
+            f: experts[f] for f in ("gemm_down", "gemm_down_shared") if f in experts}
+    grids = {**first, **group, **experts, "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}
     return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())

@@ -181,20 +181,24 @@ def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
 
 
 # FP8 block prefill: Qwen3-30B-A3B-FP8 as released, and DeepSeek-V3-FP8's rules (sigmoid, groups, a
-# shared FP8 expert) at a width small enough to pack its random weights in a few seconds
+# shared FP8 expert) at a width small enough to pack its random weights in a few seconds; each with
+# bf16 activations and with FP8 ones (the -a8 specs: codes by codes on the tensor cores)
+_DSV3_SMALL = {"hidden_size": 1024, "experts": {"count": 64, "top_k": 6, "intermediate_size": 512, "format": "fp8_block"},
+               "shared_expert": {"intermediate_size": 1024, "gate": "none", "format": "fp8_block"}}
 FP8_PREFILL = {
     "qwen3-30b-a3b-fp8": {},
-    "deepseek-v3-fp8": {"hidden_size": 1024, "experts": {"count": 64, "top_k": 6, "intermediate_size": 512,
-                                                          "format": "fp8_block"},
-                        "shared_expert": {"intermediate_size": 1024, "gate": "none", "format": "fp8_block"}},
+    "qwen3-30b-a3b-fp8-a8": {},
+    "deepseek-v3-fp8": _DSV3_SMALL,
+    "deepseek-v3-fp8-a8": {**_DSV3_SMALL, "experts": {**_DSV3_SMALL["experts"], "fp8_activations": True}},
 }
 
 
 @pytest.mark.parametrize("name", sorted(FP8_PREFILL))
 def test_prefill_fp8_block_matches_reference(name, tmp_path):
-    """Prefill with FP8 block weights (bf16 activations: each K block's products scaled in fp32)
-    at both ends of the first prefill bucket, against the reference fed the same codes and scales;
-    the largest N of the bucket bitwise repeatable."""
+    """Prefill with FP8 block weights (each K block's products scaled in fp32), with bf16 activations
+    or FP8 ones (quantized per token and 128 channels as the reference emulates it), at both ends
+    of the first prefill bucket, against the reference fed the same codes and scales; the largest N
+    of the bucket bitwise repeatable."""
     import torch
     import yaml
 

@@ -167,10 +167,10 @@ def test_gate_up_writes_h_in_the_permuted_order():
 @pytest.mark.parametrize("name,tuning", [("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"prefill_bm": 64}),
                                          ("qwen3-30b-a3b", {"prefill_ws": False}),
                                          ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
-                                         ("qwen3-30b-a3b-fp8", {})], ids=str)
+                                         ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {})], ids=str)
 def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings; BF16 and
-    FP8 block weights) compile without spills and without ptxas's warnings that wgmmas are
+    FP8 block weights, with bf16 or FP8 activations: QGMMA in the SASS) compile without spills and without ptxas's warnings that wgmmas are
     serialized (C7513, C7514: the A registers or accumulators touched while a group is in flight)
     or that setmaxnreg is ignored (C7508: no register count fixed at entry); a two-block down GEMM
     stays within its registers."""
@@ -189,6 +189,7 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
     assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
+    assert all(k.name.count("_fp8a8") == name.endswith("-a8") for k in gemms), [k.name for k in gemms]
     for k in gemms:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
@@ -196,9 +197,11 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
             assert r.registers * k.threads * 2 <= 65536, (k.name, r)
 
 
-def test_fp8_prefill_takes_weight_only_block_scaled_layers():
-    """FP8 block weights get prefill buckets with bf16 activations and the producer warpgroup only:
-    FP8 activations or the plain kernel are refused by name, and those layers stay on the GEMV path."""
+def test_fp8_prefill_takes_block_scaled_layers():
+    """FP8 block weights get prefill buckets with the producer warpgroup only, with bf16 activations
+    or FP8 ones (the tiles say which; the block format's widths are whole 128-wide K blocks, one
+    k-tile of the FP8-activation GEMMs); the plain kernel is refused by name, and those layers stay
+    on the GEMV path."""
     from pathlib import Path
 
     import yaml
@@ -210,9 +213,12 @@ def test_fp8_prefill_takes_weight_only_block_scaled_layers():
 
     data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b-fp8.yaml").read_text())
     ok = make_plan(parse_spec(data, check_generated=False))
-    assert ok.prefill_from and ok.prefill_tiles[1] == prefill_plan.FP8_BN and ok.prefill_tiles[-1] is True
-    cases = (({**data, "experts": {**data["experts"], "fp8_activations": True}}, {}, "FP8 activations"),
-             (data, {"prefill_ws": False}, "without the producer warpgroup"))
+    assert ok.prefill_from and ok.prefill_tiles[1] == prefill_plan.FP8_BN and ok.prefill_tiles[5:] == (True, False)
+    a8 = {**data, "experts": {**data["experts"], "fp8_activations": True}}
+    ok8 = make_plan(parse_spec(a8, check_generated=False))
+    assert ok8.prefill_from and ok8.prefill_tiles[5:] == (True, True)
+    cases = ((data, {"prefill_ws": False}, "without the producer warpgroup"),
+             (a8, {"prefill_ws": False}, "without the producer warpgroup"))
     for d, tune, why in cases:
         spec = parse_spec(d, check_generated=False)
         assert why in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(**tune)))

@@ -351,6 +351,50 @@ def test_fp8_tile_product_as_the_kernel_reads_it():
                 _check_tile(d[mt], _e4m3(codes[src][ex]) * scale[src][ex, 0, 0], tile * 16, rows, x)
 
 
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte i is byte (sel >> 4i) & 7 of the pool b:a."""
+    pool = a | (b << 32)
+    return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def test_fp8_a8_fragments_as_the_e4m3_wgmma_reads_them():
+    """FP8 activations on the tensor cores: a lane's 16 packed bytes (pack_fp8), regrouped by the
+    four prmt of e4m3_frag (templates/grouped_gemm.cu.j2), are the register A fragment of wgmma
+    m64nNk32 with e4m3 operands as the PTX ISA lays it out (lane 4g + t: register 0 row g, k 4t ..
+    4t + 3; register 1 row g + 8, the same k; registers 2 and 3 the same rows at k 16 + 4t ..
+    16 + 4t + 3), over K in A8_ORDER; and the quantization kernel's lane l writes logical positions
+    4l .. 4l + 3 of a 128-wide block from its columns col(l) .. col(l) + 3 in that order."""
+    from moegen.plan import PackedWeight
+    from moegen.prefill import A8_ORDER
+    from moegen.weights import pack_fp8
+
+    assert sorted(A8_ORDER) == list(range(32))
+    rng = np.random.default_rng()
+    e, rows, pad, k = 2, 24, 32, 128
+    pw = PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, rows, pad, k, "fp8_block", "s")
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    codes = {s: rng.choice(finite, (e, rows, k)) for s in pw.sources}
+    words = pack_fp8(pw, codes).view("<u4").reshape(e, pad // 16, k // 32, 2, 32, 4)  # q.x, q.y, q.z, q.w a lane
+    for ex in range(e):
+        for mt, src in enumerate(pw.sources):
+            w = np.zeros((pad, k), np.uint8)
+            w[:rows] = codes[src][ex]
+            for tile in range(pad // 16):
+                for c in range(k // 32):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        q = [int(v) for v in words[ex, tile, c, mt, lane]]
+                        regs = (_prmt(q[0], q[1], 0x6420), _prmt(q[0], q[1], 0x7531), _prmt(q[2], q[3], 0x6420),
+                                _prmt(q[2], q[3], 0x7531))
+                        for r, reg in enumerate(regs):
+                            row = tile * 16 + g + 8 * (r & 1)
+                            want = [w[row, 32 * c + A8_ORDER[4 * t + 16 * (r >> 1) + b]] for b in range(4)]
+                            assert [(reg >> (8 * b)) & 0xFF for b in range(4)] == want, (ex, src, tile, c, lane, r)
+    for lane in range(32):  # prefill_quant_rows: col = (l / 8) * 32 + 8 (l % 4) + 4 ((l / 4) % 2)
+        col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1)
+        assert [col + b for b in range(4)] == [32 * (lane // 8) + A8_ORDER[(4 * lane + b) % 32] for b in range(4)]
+
+
 def test_fp8_tensor_scales_where_the_kernels_read_them():
     """FP8 per-tensor: gate/up blocks read matrix mt's weight and input scales at s13[e * 4 + mt * 2]
     and [+ 1], down blocks at s2[e * 2] and [+ 1] (the shared expert's without e); the packed

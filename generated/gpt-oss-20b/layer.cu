@@ -246,15 +246,17 @@ MOE_DEVICE void e4m3x16_to_bf16(uint4 q, uint4& k0, uint4& k1) {
   k1 = make_uint4(c.x, c.y, d.x, d.y);
 }
 
-// Two bf16 activations (low half first) quantized by a static scale, as two bf16 holding their
-// e4m3 values exactly: e4m3(x / s) with round-to-nearest-even, saturating at +-448.
-MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) {
+// Two bf16 activations (low half first) quantized by a scale: e4m3(x / s) with round-to-nearest-
+// even, saturating at +-448, as two code bytes (the low half's in the low byte), or (quant_e4m3x2)
+// as two bf16 holding their e4m3 values exactly.
+MOE_DEVICE u32 e4m3x2_codes(u32 two, float s) {
   const float lo = __fdiv_rn(bf16_to_f32((bf16_t)(two & 0xffffu)), s);
   const float hi = __fdiv_rn(bf16_to_f32((bf16_t)(two >> 16)), s);
   unsigned short q;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // hi -> upper byte
-  return e4m3x2_to_bf16x2(q);
+  return q;
 }
+MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) { return e4m3x2_to_bf16x2((unsigned short)e4m3x2_codes(two, s)); }
 
 // The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
 // bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of

@@ -4,7 +4,7 @@
 // E=64 routed experts, top-8, H=3584, I=2560, shared expert I=20480 (sigmoid gate).
 // Routing: softmax over 64 experts (fp32 logits) -> top-8.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 55050240 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -246,15 +246,17 @@ MOE_DEVICE void e4m3x16_to_bf16(uint4 q, uint4& k0, uint4& k1) {
   k1 = make_uint4(c.x, c.y, d.x, d.y);
 }
 
-// Two bf16 activations (low half first) quantized by a static scale, as two bf16 holding their
-// e4m3 values exactly: e4m3(x / s) with round-to-nearest-even, saturating at +-448.
-MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) {
+// Two bf16 activations (low half first) quantized by a scale: e4m3(x / s) with round-to-nearest-
+// even, saturating at +-448, as two code bytes (the low half's in the low byte), or (quant_e4m3x2)
+// as two bf16 holding their e4m3 values exactly.
+MOE_DEVICE u32 e4m3x2_codes(u32 two, float s) {
   const float lo = __fdiv_rn(bf16_to_f32((bf16_t)(two & 0xffffu)), s);
   const float hi = __fdiv_rn(bf16_to_f32((bf16_t)(two >> 16)), s);
   unsigned short q;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // hi -> upper byte
-  return e4m3x2_to_bf16x2(q);
+  return q;
 }
+MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) { return e4m3x2_to_bf16x2((unsigned short)e4m3x2_codes(two, s)); }
 
 // The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
 // bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of
@@ -1490,6 +1492,23 @@ MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
 }
+// d += A (this warp's 16 rows x 32 K of e4m3 codes, registers) * B (32 x 128 e4m3 codes, desc b): QGMMA
+MOE_DEVICE void wgmma_e4m3_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+// A lane's packed 16-byte FP8 fragment of a 16 x 32 chunk (moegen.weights.pack_fp8: word 0 holds
+// rows g, g + 8 of columns 8t, 8t + 1 as bytes (g, c0), (g + 8, c0), (g, c1), (g + 8, c1); word 1
+// columns 8t + 2, 8t + 3; words 2, 3 columns 8t + 4 .. 8t + 7) as its e4m3 wgmma A fragment
+// (registers: row g k 4t..4t+3, row g + 8 the same, row g k 16+4t.., row g + 8 the same): logical k
+// 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b (moegen.prefill.A8_ORDER; the activations'
+// codes are stored in that order).
+MOE_DEVICE uint4 e4m3_frag(uint4 q) {
+  return make_uint4(prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u), prmt(q.z, q.w, 0x6420u), prmt(q.z, q.w, 0x7531u));
+}
 MOE_DEVICE uint4 lds128(u32 addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -1521,10 +1540,10 @@ MOE_DEVICE float silu_mul(float g, float u) {
 
 // A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
 // (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
-// each column at its permuted place. Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
+// each column at its permuted place (PERM; otherwise H in column order, for the FP8 quantization). Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
 // the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one token
 // (the even row token n's, the odd row token n + 1's).
-template <bool GATED, int NACC, int BN>
+template <bool GATED, int NACC, int BN, bool PERM = true>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out) {
 #pragma unroll
@@ -1533,7 +1552,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
     const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
     if (GATED) {  // column i of H at its permuted place: col = 8t + 4s + 2q + jj -> 16s + 8q + 2t + jj
       const int c = i & 31;
-      const int at = (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1);
+      const int at = PERM ? (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1) : i;
 #pragma unroll
       for (int t = 0; t < 2; ++t)
         if (n + t < rows && i < n_out)
@@ -1556,6 +1575,11 @@ MOE_DEVICE void mbar_arrive(u32 addr) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
 }
 // Arrives on the barrier once every cp.async this thread issued before has landed.
+MOE_DEVICE float2 lds64f(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
 MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
 }
@@ -1580,20 +1604,32 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // fp32 scales of the 128 x 128 blocks, [matrix][E][n_out/128][K/128]. Each 128-wide K block's
 // products go to their own accumulators (two k-tiles), which are then added to the sums times
 // the block's scale in fp32, as the reference scales each block: a warpgroup's 64 rows share one.
-template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false>
-MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
+// A8 (FP8 activations too, DeepSeek's recipe): xp holds e4m3 codes [rows][K] in A8_ORDER and xs
+// their fp32 scales [rows][K/128] (one per token and 128 channels); the A fragments are the packed
+// codes regrouped by byte (e4m3_frag) and the tensor cores multiply codes by codes (wgmma k32
+// e4m3, QGMMA). A k-tile is 128 wide, one K block: its products, times the weight block's scale
+// and each token's scale, are added to the sums in fp32. GATED then writes H in column order
+// (the quantization kernel reads it, as the reference quantizes the bf16 activation).
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false>
+MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
-                             const float* __restrict__ sc = nullptr) {
-  constexpr int BN = 128, BK = 64, S = GATED ? 4 : 4, CONSUMERS = 256;
-  constexpr int WARPS = CONSUMERS / 32;
+                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr) {
+  static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
+  // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
+  constexpr int BN = 128, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
+  constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
   constexpr int PT = 128;  // producer threads
-  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up])
-  constexpr int UNITS = (GATED ? 8 : 4) / (FP8 ? 2 : 1);
-  constexpr int B_BYTES = BN * BK * 2, A_WARP = UNITS * 512, STAGE = B_BYTES + WARPS * A_WARP;
+  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
+  // two chunks a k-tile, or with A8 four
+  constexpr int UNITS = (GATED ? 8 : 4) / (FP8 && !A8 ? 2 : 1);
+  // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned)
+  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 ? 1024 : 0;
+  constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = GATED ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
-                (STAGE % 1024) == 0, "tile shape");
+                (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
+  constexpr size_t ROW_BYTES_PER_K = A8 ? 1 : 2;
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
@@ -1608,7 +1644,7 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int kc = k_dim / 32, ktiles = k_dim / BK;
+  const int kc = k_dim / 32, ktiles = k_dim / BK, kblocks = k_dim / 128;
   // The grid's blocks take the GEMM's blocks (row block, tile) in turn: one each with a grid of
   // them all, several with a persistent grid (one block a multiprocessor), the ring and its
   // barriers running on across them (gk counts this block's k-tiles), so that the producers fill
@@ -1624,14 +1660,19 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
       const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
       const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
       if (rows <= 0) continue;  // past the routing's tiles
-      const bf16_t* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
+      const unsigned char* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
       bool alive[BJ];
 #pragma unroll
       for (int j = 0; j < BJ; ++j) {
         const int r = (p + j * PT) >> 3;
         alive[j] = r < rows;
-        bsrc[j] = xp + (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + (p & 7) * 8;
+        bsrc[j] = static_cast<const unsigned char*>(xp) +
+                  (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim * ROW_BYTES_PER_K + (p & 7) * 16;
       }
+      // A8: producer thread p < BN copies token row p's scale of each K block (rows past the tile: zero)
+      const float* ssrc = xs;
+      const bool salive = A8 && p < rows && p < BN;
+      if (A8 && salive) ssrc = xs + (size_t)(GATHER ? tok[row0 + p] : row0 + p) * kblocks;
       // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS,
       // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
@@ -1647,14 +1688,29 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
       const uint4* fbase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 +
                                        (pu % 2) * MATS * 32 + pl;
+      const uint4* qbase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 64 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
         if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
         unsigned char* st = sbase + s * STAGE;
 #pragma unroll
         for (int j = 0; j < BJ; ++j)
-          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
-        if constexpr (FP8) {
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * 128, alive[j]);
+        if constexpr (A8) {
+          // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
+          // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
+          // chunk pu (its row group's run: [K/32][MATS][32])
+#pragma unroll
+          for (int j = 0; j < AJ; ++j) {
+            const int wq = GATED ? j >> 1 : j, u = GATED ? pu + 4 * (j & 1) : pu;
+            const uint4* a = GATED ? qbase + (size_t)wq * kc * 64 + (size_t)kt * 256 + u * 32
+                                   : qbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 +
+                                         ((size_t)kt * 4 + u) * MATS * 32;
+            cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
+          }
+          if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+        } else if constexpr (FP8) {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
             const int wq = GATED ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
@@ -1690,7 +1746,12 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     mbar_wait(full + (g % S) * 8, (g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + (u32)((g % S) * STAGE);
-    if constexpr (FP8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
+    if constexpr (A8) {  // four chunks' codes, each one e4m3 fragment
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512));
+    } else if constexpr (FP8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -1719,9 +1780,11 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     auto& d = [&]() -> float(&)[NACC][BN / 2] {
       if constexpr (FP8) return tmp; else return acc;
     }();
-    if (FP8 && (kt & 1) == 0) {  // this K block's scales, read while its two k-tiles run
+    const bool kb_first = kt % KBT == 0;  // the K block's first k-tile (FP8: its accumulators start)
+    if (FP8 && kb_first) {  // this K block's scales, read while its k-tiles run
 #pragma unroll
-      for (int a = 0; a < NACC; ++a) scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / 2);
+      for (int a = 0; a < NACC; ++a)
+        scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / KBT);
     }
     gg::wg_fence();
 #pragma unroll
@@ -1730,25 +1793,47 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     for (int kk = 0; kk < 4; ++kk) {
       const unsigned long long bd = gg::smem_desc(st + kk * 32);
 #pragma unroll
-      for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? (kt & 1) : kt > 0) || kk > 0);
+      for (int a = 0; a < NACC; ++a) {
+        if constexpr (A8) gg::wgmma_e4m3_ra(d[a], cur[a][kk], bd, kk > 0);
+        else gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? !kb_first : kt > 0) || kk > 0);
+      }
     }
     gg::wg_commit();
     gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
     if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
-    if (kt + 1 < ktiles) frags(nxt, g + 1);  // the next k-tile's fragments while this group runs
+    // the next k-tile's fragments while this group runs (A8 gate/up: after the promotion, when the
+    // group's A registers are free: both sets beside the group's and the sums' accumulators spilled)
+    constexpr bool LATE = A8 && NACC == 2;
+    if (!LATE && kt + 1 < ktiles) frags(nxt, g + 1);
     if constexpr (FP8) {
-      if (kt & 1) {  // the K block's last k-tile: its products, scaled, into the sums
+      if (kt % KBT == KBT - 1) {  // the K block's last k-tile: its products, scaled, into the sums
         gg::wg_wait<0>();
 #pragma unroll
-        for (int a = 0; a < NACC; ++a) {
-          gg::fence_regs(tmp[a]);
+        for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
+        if constexpr (A8) {  // accumulators 4q .. 4q + 3: tokens 8q + 2 (lane % 4) (even) and + 1 (odd),
+                             // their scales from the stage (released at the next step)
 #pragma unroll
-          for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
+          for (int q = 0; q < BN / 8; ++q) {
+            const float2 v = gg::lds64f(st + B_BYTES + WARPS * A_WARP + (q * 8 + 2 * (lane & 3)) * 4);
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+              const float f0 = scv[a] * v.x, f1 = scv[a] * v.y;
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                acc[a][4 * q + r] = (kt == 0 ? 0.0f : acc[a][4 * q + r]) + ((r & 1) ? f1 : f0) * tmp[a][4 * q + r];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int a = 0; a < NACC; ++a)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == KBT - 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
         }
       }
     }
+    if (LATE && kt + 1 < ktiles) frags(nxt, g + 1);
   };
   int gk = 0;
   for (int b = b0; b < blocks; b += grid) {
@@ -1769,7 +1854,7 @@ MOE_DEVICE void prefill_gemm(const bf16_t* __restrict__ xp, const int* __restric
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     gk += ktiles;
     gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
-    prefill_store<GATED, NACC, BN>(acc, it, lane, rows, row0, n_out, out);
+    prefill_store<GATED, NACC, BN, !A8>(acc, it, lane, rows, row0, n_out, out);
   }
 }
 
@@ -1899,6 +1984,34 @@ MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __res
   const int at = 2 * pair, c = at & 31, s = c >> 4, q = (c >> 3) & 1, tt = (c >> 1) & 3;
   const int col = (at & ~31) + 8 * tt + 4 * s + 2 * q;
   *reinterpret_cast<u32*>(xp + (size_t)t * hidden + at) = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+}
+// FP8 activations (A8): rows of src (bf16, in column order) as e4m3 codes in A8_ORDER, with their
+// scales [rows][k / 128]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
+// decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided; lane
+// l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
+// + 0..3 of it (logical 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b).
+MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
+                                   int k, int rows, int first_warp, int warps) {
+  const int lane = threadIdx.x & 31, kb_count = k / 128;
+  const int col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1);
+  for (int w = first_warp; w < rows * kb_count; w += warps) {
+    const int row = w / kb_count, kb = w % kb_count;
+    const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
+    const float a = fmaxf(fmaxf(fabsf(bf16_to_f32((bf16_t)(v.x & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.x >> 16)))),
+                          fmaxf(fabsf(bf16_to_f32((bf16_t)(v.y & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.y >> 16)))));
+    const float sc = __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
+    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16);
+    if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
+  }
+}
+// x for the gate/up GEMMs (src2 null), or the routed activations and the shared expert's (src2).
+MOE_DEVICE void prefill_quant_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
+                                   int k, int rows, const bf16_t* __restrict__ src2 = nullptr,
+                                   unsigned char* __restrict__ q2 = nullptr, float* __restrict__ s2 = nullptr, int k2 = 0,
+                                   int rows2 = 0) {
+  const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), warps = gridDim.x * (blockDim.x >> 5);
+  prefill_quant_rows(src, q, s, k, rows, first, warps);
+  if (src2) prefill_quant_rows(src2, q2, s2, k2, rows2, first, warps);
 }
 
 // ---- the plan's invariants, re-checked by the compiler ----
