@@ -30,6 +30,16 @@ from moegen.weights import tensors
 pytestmark = pytest.mark.gpu
 
 ROW_TOL = 1e-2  # DESIGN.md: per-row ||out - ref|| / ||ref|| for bf16 outputs
+# DESIGN.md: per row where activations are quantized to FP8 and the reference emulates it (a
+# bf16 rounding of an activation that differs moves its block's scale and so its neighbours' codes)
+ROW_TOL_FP8_ACT = 2e-2
+
+
+def row_tol(spec: Any) -> float:
+    """The per-row tolerance of a spec's outputs: ROW_TOL_FP8_ACT where its GEMMs quantize their
+    inputs to FP8 (FP8 activations of block weights, FP8 per-tensor's static input scales)."""
+    fmts = {spec.experts.format.value, *((spec.shared_expert.format.value,) if spec.shared_expert else ())}
+    return ROW_TOL_FP8_ACT if spec.experts.fp8_activations or "fp8_tensor" in fmts else ROW_TOL
 TIE_TOL = 1e-4  # selection values closer than this are a near-tie for fp32 routing
 
 
@@ -202,12 +212,12 @@ def _run(case: Case, x: Any, torch: Any) -> Any:
     return out
 
 
-def _check_rows(got: np.ndarray, ref: np.ndarray, what: str) -> float:
+def _check_rows(got: np.ndarray, ref: np.ndarray, what: str, tol: float = ROW_TOL) -> float:
     assert not np.isnan(got).any(), f"{what}: NaN in the output (an element was not written?)"
     assert np.isfinite(got).all(), f"{what}: Inf in the output"
     err = np.linalg.norm(got - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
     worst = int(np.argmax(err))
-    assert err[worst] <= ROW_TOL, f"{what}: row {worst} relative error {err[worst]:.3e} > {ROW_TOL}"
+    assert err[worst] <= tol, f"{what}: row {worst} relative error {err[worst]:.3e} > {tol}"
     return float(err.max())
 
 
@@ -249,7 +259,7 @@ def test_matches_reference(case: Case):
     ref = reference.moe_forward(case.spec, x_all, case.host, ids=ids_all, token_ids=t_all)
     start = 0
     for n, got in zip(counts, outs):
-        _check_rows(got, ref[start:start + n], f"{case.spec.name} N={n}")
+        _check_rows(got, ref[start:start + n], f"{case.spec.name} N={n}", row_tol(case.spec))
         start += n
 
 
