@@ -115,6 +115,10 @@ class Tuning:
     # The down GEMM's stages (0: as gate/up's). Without the producer warpgroup, 3 fits two down
     # blocks a multiprocessor: 0.977 / 0.999 of the 4-stage time (Qwen3-30B-A3B / Mixtral, H200).
     prefill_down_stages: int = 0
+    # The down GEMM with a producer warpgroup on whole row groups of two 16-row tiles (down_tiles 2):
+    # a warp multiplies both tiles, gate/up's shape, so a block reads each token row B tile once
+    # for 256 rows instead of 128 (False: a tile a warp).
+    prefill_down_pair: bool = True
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
     # pair over all tokens (checked against the reference on the H200; False keeps them on the GEMV path).
     prefill_shared: bool = True

@@ -43,6 +43,9 @@ class GemmTiles:
     # token and 128 channels, multiplied on the tensor cores as codes (wgmma e4m3, k-tiles 128 wide,
     # each a K block), the scales in each stage
     a8: bool = False
+    # The down GEMMs on whole row groups of two tiles (down_tiles 2, with the producer warpgroup):
+    # each warp holds both tiles' accumulators, as gate/up holds gate's and up's (the same ring).
+    down_pair: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -56,6 +59,8 @@ class GemmTiles:
                              "(a K block's accumulators beside the sums)")
         if self.a8 and not self.fp8:
             raise ValueError("a8 (FP8 activations) without fp8 (FP8 block weights)")
+        if self.down_pair and not self.ws:
+            raise ValueError("down_pair without the producer warpgroup")
 
     @property
     def dstages(self) -> int:
@@ -117,7 +122,12 @@ class GemmTiles:
 
     @property
     def down_smem_bytes(self) -> int:
-        return self.dstages * self._stage(4) + 1024
+        return self.dstages * self._stage(8 if self.down_pair else 4) + 1024
+
+    @property
+    def down_rows(self) -> int:
+        """Weight rows of a down GEMM block: a 16-row tile a warp, or a row group of two (down_pair)."""
+        return self.threads // 32 * (32 if self.down_pair else 16)
 
     @property
     def gate_up_smem_bytes(self) -> int:

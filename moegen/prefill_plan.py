@@ -36,8 +36,11 @@ def tiles(c: Layer) -> GemmTiles:
     # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
     # warpgroup only (unsupported() names the rest)
     fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
-    return GemmTiles(t.prefill_bm or TILES.bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
-                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8)
+    bm = t.prefill_bm or TILES.bm
+    # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
+    pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
+    return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
+                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair)
 
 
 def unsupported(c: Layer) -> str:
@@ -137,9 +140,12 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     wf = t.wfmt
 
     def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
-        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8 and A8 where set."""
-        return (gated, mats, *((gather or gated,) if gather or t.fp8 else ()), *(("true",) if t.fp8 else ()),
-                *(("true",) if t.a8 else ()))
+        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8, A8 and PAIR
+        (the down GEMMs on row groups of two tiles) where set."""
+        pair = gated == "false" and t.down_pair
+        return (gated, mats, *((gather or gated,) if gather or t.fp8 or pair else ()),
+                *((str(t.fp8).lower(),) if t.fp8 or pair else ()), *((str(t.a8).lower(),) if t.a8 or pair else ()),
+                *(("true",) if pair else ()))
 
     # FP8: the block scales after the GEMMs' other arguments; A8: then the input rows' scales
     def scales(name: str, xs: str = "") -> tuple:
@@ -153,7 +159,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     # the e4m3 codes the quantization kernels write (x, then H in column order)
     act_in = "const unsigned char* __restrict__" if t.a8 else "const bf16_t* __restrict__"
     xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
-    down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "")
+    down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "") + ("_pair" if t.down_pair else "")
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
     # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already where the
@@ -262,10 +268,10 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     t = tiles(c)
     warps = t.threads // 32
 
-    def gemm_grid(k_dim: int, n_out: int, n_tiles: int) -> tuple[int | str, int]:
+    def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = 16 * warps) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
-        multiprocessor; otherwise a block per (row block, tile)."""
-        return ("sms", 1) if t.persistent(k_dim) else (n_out // 16 // warps, n_tiles)
+        multiprocessor; otherwise a block per (row block of `rows`, tile)."""
+        return ("sms", 1) if t.persistent(k_dim) else (n_out // rows, n_tiles)
 
     def quant_grid(warps: int) -> tuple[int, int]:
         """The quantization's grid: a warp per (row, 128 channels), grid-strided over 4 blocks a multiprocessor."""
@@ -276,10 +282,11 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     group = {"count": ((chunks(c, nb), 1), GROUP_THREADS, 0), "scan": ((1, 1), GROUP_THREADS, 0),
              "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
     routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-              "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+              "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb), t.down_rows), t.packed_threads, t.down_smem_bytes)}
     shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb)), t.packed_threads,
                                        t.gate_up_smem_bytes),
-               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb)), t.packed_threads, t.down_smem_bytes)}
+               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb), t.down_rows), t.packed_threads,
+                                    t.down_smem_bytes)}
               if c.si else {})
     experts = {**routed, **shared}
     if t.a8:  # both gate/up GEMMs, the quantization of their activations, then the downs

@@ -2555,12 +2555,13 @@ MOE_DEVICE float silu_mul(float g, float u) {
 
 // A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
 // (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
-// each column at its permuted place (PERM; otherwise H in column order, for the FP8 quantization). Otherwise Y bf16 [P][n_out]: lanes 4 apart (rows r, r + 1 of
-// the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one token
-// (the even row token n's, the odd row token n + 1's).
+// each column at its permuted place (PERM; otherwise H in column order, for the FP8
+// quantization). Otherwise Y bf16 [P][n_out] from accumulator set m: lanes 4 apart (rows r, r + 1
+// of the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one
+// token (the even row token n's, the odd row token n + 1's).
 template <bool GATED, int NACC, int BN, bool PERM = true>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
-                              void* __restrict__ out) {
+                              void* __restrict__ out, int m = 0) {
 #pragma unroll
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
@@ -2575,7 +2576,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
               f32_to_bf16(silu_mul(acc[0][j + t], acc[NACC - 1][j + t]));
     } else {
       const bool odd = (lane >> 2) & 1;
-      const float a0 = acc[0][j], a1 = acc[0][j + 1];
+      const float a0 = acc[m][j], a1 = acc[m][j + 1];
       const float v = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
       const u32 word = odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
       const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i;
@@ -2625,23 +2626,30 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // e4m3, QGMMA). A k-tile is 128 wide, one K block: its products, times the weight block's scale
 // and each token's scale, are added to the sums in fp32. GATED then writes H in column order
 // (the quantization kernel reads it, as the reference quantizes the bf16 activation).
-template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false>
+// PAIR (down, MATS 2): each warp takes a whole row group, its two 16-row tiles as gate/up's two
+// matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
+// each token row B tile read.
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr) {
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
+  static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
+  // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
+  // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
+  constexpr bool TWO = GATED || PAIR;
   // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
   constexpr int BN = 128, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
   // two chunks a k-tile, or with A8 four
-  constexpr int UNITS = (GATED ? 8 : 4) / (FP8 && !A8 ? 2 : 1);
+  constexpr int UNITS = (TWO ? 8 : 4) / (FP8 && !A8 ? 2 : 1);
   // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned)
   constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 ? 1024 : 0;
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
-  constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = GATED ? 2 : 1;
+  constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
                 (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
   constexpr size_t ROW_BYTES_PER_K = A8 ? 1 : 2;
@@ -2664,7 +2672,9 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // them all, several with a persistent grid (one block a multiprocessor), the ring and its
   // barriers running on across them (gk counts this block's k-tiles), so that the producers fill
   // the next block's first stages while the consumers finish and store the last one's.
-  const int rbs = row_tiles / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  // a warp's unit of rows: a 16-row tile, or (PAIR) a row group of two
+  const int wtiles = PAIR ? row_tiles / 2 : row_tiles;
+  const int rbs = wtiles / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
   const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
@@ -2692,18 +2702,18 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
       static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
-      const size_t wstride = GATED ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
-      const uint4* abase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
+      const size_t wstride = TWO ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
+      const uint4* abase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
-      const uint4* fbase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
+      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 +
                                        (pu % 2) * MATS * 32 + pl;
-      const uint4* qbase = GATED ? w + ((size_t)e * row_tiles + blk.x * WARPS) * kc * 64 + pl
+      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
@@ -2718,8 +2728,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
           // chunk pu (its row group's run: [K/32][MATS][32])
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
-            const int wq = GATED ? j >> 1 : j, u = GATED ? pu + 4 * (j & 1) : pu;
-            const uint4* a = GATED ? qbase + (size_t)wq * kc * 64 + (size_t)kt * 256 + u * 32
+            const int wq = TWO ? j >> 1 : j, u = TWO ? pu + 4 * (j & 1) : pu;
+            const uint4* a = TWO ? qbase + (size_t)wq * kc * 64 + (size_t)kt * 256 + u * 32
                                    : qbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 +
                                          ((size_t)kt * 4 + u) * MATS * 32;
             cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
@@ -2728,17 +2738,17 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
         } else if constexpr (FP8) {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
-            const int wq = GATED ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
-            const uint4* a = GATED ? fbase + (size_t)j * kc * 64 + (size_t)kt * 128
+            const int wq = TWO ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
+            const uint4* a = TWO ? fbase + (size_t)j * kc * 64 + (size_t)kt * 128
                                    : fbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 + (size_t)kt * MATS * 64;
-            cp_async16(st + B_BYTES + wq * A_WARP + (GATED ? pu : (pu & 1)) * 512 + pl * 16, a, true);
+            cp_async16(st + B_BYTES + wq * A_WARP + (TWO ? pu : (pu & 1)) * 512 + pl * 16, a, true);
           }
         } else {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
-            const uint4* a = GATED ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
+            const uint4* a = TWO ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
                                    : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
-            cp_async16(st + (GATED ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+            cp_async16(st + (TWO ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
           }
         }
         gg::cp_async_mbar_arrive(full + s * 8);
@@ -2765,19 +2775,19 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
       for (int c = 0; c < 4; ++c)
 #pragma unroll
-        for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512));
+        for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512));
     } else if constexpr (FP8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
         for (int a = 0; a < NACC; ++a)
-          e4m3x16_to_bf16(gg::lds128(st + adst + (GATED ? c * 2 + a : c) * 512), af[a][2 * c], af[a][2 * c + 1]);
+          e4m3x16_to_bf16(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512), af[a][2 * c], af[a][2 * c + 1]);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
 #pragma unroll
         for (int a = 0; a < NACC; ++a)
-          af[a][kk] = gg::lds128(st + adst + (GATED ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+          af[a][kk] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
     }
   };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
@@ -2799,7 +2809,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     if (FP8 && kb_first) {  // this K block's scales, read while its k-tiles run
 #pragma unroll
       for (int a = 0; a < NACC; ++a)
-        scv[a] = __ldg(scw + (size_t)a * experts * (n_out / 128) * (k_dim / 128) + kt / KBT);
+        scv[a] = __ldg(scw + (PAIR ? 0 : (size_t)a * experts * (n_out / 128) * (k_dim / 128)) + kt / KBT);
     }
     gg::wg_fence();
 #pragma unroll
@@ -2855,9 +2865,9 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
     if (rows <= 0) continue;
-    const int it = blk.x * WARPS + warp;  // this warp's 16-row tile
-    if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows
-      scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + it / 8) * (k_dim / 128);
+    const int it = blk.x * WARPS + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
+      scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];
     frags(af0, gk);
     for (int kt = 0; kt < ktiles; kt += 2) {
@@ -2869,7 +2879,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     gk += ktiles;
     gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
-    prefill_store<GATED, NACC, BN, !A8>(acc, it, lane, rows, row0, n_out, out);
+    if constexpr (PAIR) {  // the group's two tiles
+      prefill_store<false, NACC, BN>(acc, 2 * it, lane, rows, row0, n_out, out, 0);
+      prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
+    } else {
+      prefill_store<GATED, NACC, BN, !A8>(acc, it, lane, rows, row0, n_out, out);
+    }
   }
 }
 
@@ -3168,8 +3183,8 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e128_k8_h2
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e128_k8_h2048_i768_bm128_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
-  prefill_gemm<false, 2>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128);
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e128_k8_h2048_i768_bm128_bn128_s4_ws_pair_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
+  prefill_gemm<false, 2, false, false, false, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
