@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
 FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix in registers)
 TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
+# FP8 activations: the GEMV scales every token's products of every 32-wide chunk in fp32 (the
+# token's scale changes each 128 channels), so its time grows with the tokens an expert gets from
+# the first one, while the tensor-core GEMMs stream each hit expert once. Measured on the H200
+# (2026-11-30, moegen bench, whole layer, GEMV against prefill at the same N): Qwen3-30B-A3B-FP8-a8
+# N = 16 / 32 / 64 / 128 / 256: 132.9 / 184.3 / 230.6 / 341.9 / 596.1 us against 128.7 / 172.5 /
+# 186.7 / 190.7 / 197.0 us; DeepSeek-V3-FP8-a8 N = 16 / 32 / 64 / 128: 1481 / 3635 / 5037 / 6392 us
+# against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
+A8_TOKENS_PER_EXPERT = 1
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -74,12 +82,13 @@ def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: where
     the routed experts get TOKENS_PER_EXPERT tokens each on average, from which the GEMV path
     reads each expert's weights more than once (measured on the H200: Qwen3-30B-A3B's crossover
-    lies between N = 256 and 512, Mixtral-8x7B's at or below 128); a tuning may move it."""
+    lies between N = 256 and 512, Mixtral-8x7B's at or below 128); with FP8 activations from
+    A8_TOKENS_PER_EXPERT; a tuning may move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
-    return math.ceil(TOKENS_PER_EXPERT * c.e / c.k)
+    return math.ceil((A8_TOKENS_PER_EXPERT if tiles(c).a8 else TOKENS_PER_EXPERT) * c.e / c.k)
 
 
 def max_tiles(c: Layer, tokens: int) -> int:

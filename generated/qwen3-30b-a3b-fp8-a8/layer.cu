@@ -4,7 +4,7 @@
 // E=128 routed experts, top-8, H=2048, I=768.
 // Routing: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 9437184 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 16 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -2053,13 +2053,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const
 }
 #endif
 // weight packing, 2 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 #endif
 // weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -2083,7 +2083,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_i768k8_sm_90a(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa, const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s, float* __restrict__ sas, int n) {
   act_quant2_body<768, 8, 128, 0, 256>(act, actq, sa, act_s, actq_s, sas, n);
 }
@@ -2094,46 +2094,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
   down_body<24, 0, 1, 1, 4, 5, 5, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
 #endif
-// router: 128 rows x 2048, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
+// router: 128 rows x 2048, K split 1 ways, 16 tokens per pass
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 2, 4, 6, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
-// router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 4, 4, 4, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
-// gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
-  gate_up_body<64, 2, 2, 4, 4, 4, 48, 0, 768, 1, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
-}
-#endif
-// down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
-  down_body<24, 0, 2, 2, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
-}
-#endif
-// gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
-  gate_up_body<64, 4, 4, 4, 2, 2, 48, 0, 768, 1, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
-}
-#endif
-// down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
-  down_body<24, 0, 4, 4, 4, 2, 2, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
-}
-#endif
-// router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 2, 4, 6, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp
@@ -2155,7 +2119,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_
 }
 #endif
 // prefill: each expert's first row and the tile table (64 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 64, 2176, first, tiles);
 }
@@ -2188,5 +2152,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
+}
+#endif
+// router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
