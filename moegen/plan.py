@@ -191,22 +191,27 @@ class Plan:
 # seconds one of each family takes to compile alone (measured there, 2026-11-30, on Qwen3-30B-A3B,
 # Qwen3-Next-80B-A3B, Mixtral-8x7B and DeepSeek-V3-FP8; the prefill GEMMs with their producer
 # warpgroup), longest first, each to the lightest part so far; a family not listed weighs 0.1.
-# FP8 block weights change three families' costs ("+fp8"; Qwen3-30B-A3B-FP8, the same day).
+# FP8 block weights change three families' costs ("+fp8"; Qwen3-30B-A3B-FP8, the same day), FP8
+# activations the prefill GEMMs' ("+fp8a8", Qwen3-30B-A3B-FP8-a8); the down GEMMs as the analytic
+# plan has them, on row-group pairs (two accumulator sets a warp: 0.47 s against 0.26, FP8 0.31
+# against 0.19; remeasured the same way, 2026-11-30).
 COMPILE_PARTS = 2
-COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.31, "expert": 0.30, "prefill_gemm_down": 0.26,
+COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.31, "expert": 0.30, "prefill_gemm_down": 0.47,
                 "router+route": 0.23, "router": 0.11, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06,
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
-                "prefill_count": 0.01, "prefill_permute": 0.01,
-                "single+fp8": 0.44, "prefill_gemm_gate_up+fp8": 0.31, "prefill_gemm_down+fp8": 0.19}
+                "prefill_count": 0.01, "prefill_permute": 0.01, "prefill_quant": 0.02,
+                "single+fp8": 0.44, "prefill_gemm_gate_up+fp8": 0.31, "prefill_gemm_down+fp8": 0.31,
+                "prefill_gemm_gate_up+fp8a8": 0.34, "prefill_gemm_down+fp8a8": 0.34}
 
 
 def compile_cost(k: Kernel) -> float:
     """COMPILE_COST of a kernel: its family's, a router whose last block routes (its name carries the
-    route) as "router+route", a kernel on FP8 block weights (its name says so) as "<family>+fp8"
-    where that is listed."""
+    route) as "router+route", a kernel on FP8 block weights (its name says so: "fp8", or "fp8a8" with
+    FP8 activations) as "<family>+fp8" or "<family>+fp8a8" where that is listed."""
     fused = k.family == "router" and "_route_" in k.name
-    fp8 = "fp8" in k.name.split("_") and k.family + "+fp8" in COMPILE_COST
-    return COMPILE_COST.get(k.family + ("+fp8" if fp8 else "+route" if fused else ""), 0.1)
+    tokens = k.name.split("_")
+    fmt = next((f for f in ("fp8a8", "fp8") if f in tokens and f"{k.family}+{f}" in COMPILE_COST), "")
+    return COMPILE_COST.get(k.family + (f"+{fmt}" if fmt else "+route" if fused else ""), 0.1)
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:

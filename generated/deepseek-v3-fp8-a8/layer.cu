@@ -2041,13 +2041,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 8, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -2065,19 +2065,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt1_n256_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 1, 4, 8, 14, 256, 256, true, 256, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h7168_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
   act_quant_body<7168, 256>(src, q, s, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 1, 1, 4, 5, 5, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
@@ -2095,19 +2095,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 2, 4, 6, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt2_fp8_block_a8_si2048_nts2_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 2, 2, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
 #endif
 // down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt2_fp8_block_a8_si2048_nts2_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
   down_body<64, 64, 2, 2, 4, 4, 4, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
@@ -2119,7 +2119,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks1_nt4_
 }
 #endif
 // route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 8, 1, 256, false, 1024, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2149,13 +2149,13 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, true, true, true>(xp, tok, w13, tiles, h, 2048, 7168, 128, 256, n, 8, 256, s13, sx);
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, false, true, true>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx);
 }
@@ -2167,13 +2167,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i2048_k8_s
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e256_k8_h7168_i2048_bm128_bn64_s4_ws_pair_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa) {
   prefill_gemm<false, 2, false, true, true, true>(hp, nullptr, w2, tiles, y, 7168, 2048, 448, 256, n, 8, 256, s2, sa);
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h7168_i2048_bm128_bn64_s4_ws_pair_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2, const float* __restrict__ sas) {
   prefill_gemm<false, 2, false, true, true, true>(hp, nullptr, ws2, stiles, y, 7168, 2048, 448, 1, n, 1, 0, ss2, sas);
 }

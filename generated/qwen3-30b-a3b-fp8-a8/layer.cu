@@ -2053,19 +2053,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const
 }
 #endif
 // weight packing, 2 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 #endif
 // weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 16384, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2101,7 +2101,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt2_
 }
 #endif
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<128, 128, 8, 1, 16384, false, 1024, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2113,25 +2113,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h2048_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 128, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (64 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 64, 2176, first, tiles);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, true, true, true>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx);
 }
@@ -2143,7 +2143,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i768_k8_sm
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa) {
   prefill_gemm<false, 2, false, true, true, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa);
 }

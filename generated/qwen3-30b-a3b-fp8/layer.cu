@@ -3062,7 +3062,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_sco
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -3074,7 +3074,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const
 }
 #endif
 // weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
   pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
 }
@@ -3086,7 +3086,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 16384, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -3104,19 +3104,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 2, 4, 6, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 2, 4, 5, 5, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3128,7 +3128,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 3, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3140,7 +3140,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -3158,7 +3158,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h2048_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 128, counts);
 }
@@ -3170,7 +3170,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
@@ -3182,7 +3182,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_m2_fp8_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2) {
   prefill_gemm<false, 2, false, true, false, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2);
 }
