@@ -167,6 +167,7 @@ def test_gate_up_writes_h_in_the_permuted_order():
 @pytest.mark.parametrize("name,tuning", [("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"prefill_bm": 64}),
                                          ("qwen3-30b-a3b", {"prefill_ws": False}),
                                          ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
+                                         ("qwen3-30b-a3b", {"prefill_down_pair": False}),
                                          ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {})], ids=str)
 def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings; BF16 and
@@ -190,6 +191,9 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
     assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
     assert all(k.name.count("_fp8a8") == name.endswith("-a8") for k in gemms), [k.name for k in gemms]
+    # the down GEMM on row-group pairs: the analytic plan's with a producer warpgroup and down_tiles 2
+    pair = tuning.get("prefill_ws", True) and tuning.get("prefill_down_pair", True)
+    assert [k.name.count("_pair_") for k in gemms] == [0, int(pair)], [k.name for k in gemms]
     for k in gemms:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
