@@ -704,6 +704,12 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
 QUANT_THREADS = 256
 
 
+def quant_blocks(warps: int) -> int:
+    """Blocks of an FP8 activation quantization (decode or prefill): a warp per row and 128
+    channels, grid-strided over at most 4 blocks a multiprocessor."""
+    return max(1, min(-(-warps // (QUANT_THREADS // 32)), 4 * 132))
+
+
 def act_quant_kernel(c: Layer, what: str) -> Kernel | None:
     """FP8 activations (MODELS.md format a): the rows of x (what="x": before gate/up) or of the
     routed and shared activations (what="act": before down) as e4m3 codes per token and 128

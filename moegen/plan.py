@@ -372,21 +372,16 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     groups = c.h // (16 * c.tune.down_tiles)
     launches = (
         *head,
-        *((Launch(add(xq), (_quant_grid(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
+        *((Launch(add(xq), (F.quant_blocks(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
         Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared)), (slots * (c.i // 16) + c.si // 16, 1),
                gate_up.threads, pdl=True),
-        *((Launch(add(aq), (_quant_grid(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
+        *((Launch(add(aq), (F.quant_blocks(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
           if (aq := F.act_quant_kernel(c, "act")) else ()),
         Launch(add(down := F.down_kernel(c, nt_routed, nt_shared)), (slots * groups + (groups if c.si else 0), 1),
                down.threads, pdl=True),
     )
     return Bucket(nb, launches)
-
-
-def _quant_grid(warps: int) -> int:
-    """Blocks of the FP8 activation quantization: a warp per row and 128 channels, grid-strided."""
-    return max(1, min(-(-warps // (F.QUANT_THREADS // 32)), 4 * 132))
 
 
 def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, ...]:

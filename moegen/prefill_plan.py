@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .families import QUANT_THREADS, quant_blocks
 from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
 
 if TYPE_CHECKING:
@@ -230,7 +231,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     }
     if t.a8:  # FP8 activations: x, then the activations, quantized into codes in A8_ORDER (no X')
         del out["permute"]
-        out["quant_x"] = kern("quant", f"quant_x_h{h}", EW_THREADS, (),
+        out["quant_x"] = kern("quant", f"quant_x_h{h}", QUANT_THREADS, (),
                               (("const bf16_t* __restrict__ x", None, c.x_expert),
                                ("unsigned char* __restrict__ xq", None, "ws.xq"), ("float* __restrict__ sx", None, "ws.sx"),
                                n),
@@ -239,7 +240,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         shared_q = ((("const bf16_t* __restrict__ hs", None, "ws.act_s"),
                      ("unsigned char* __restrict__ hsq", None, "ws.actq_s"), ("float* __restrict__ sas", None, "ws.sas"))
                     if si else ())
-        out["quant_h"] = kern("quant", f"quant_h_i{i}_k{k}" + (f"_si{si}" if si else ""), EW_THREADS, (),
+        out["quant_h"] = kern("quant", f"quant_h_i{i}_k{k}" + (f"_si{si}" if si else ""), QUANT_THREADS, (),
                               (("const bf16_t* __restrict__ h", None, "ws.act"),
                                ("unsigned char* __restrict__ hq", None, "ws.actq"), ("float* __restrict__ sa", None, "ws.sa"),
                                *shared_q, n),
@@ -282,11 +283,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         multiprocessor; otherwise a block per (row block of `rows`, tile)."""
         return ("sms", 1) if t.persistent(k_dim) else (n_out // rows, n_tiles)
 
-    def quant_grid(warps: int) -> tuple[int, int]:
-        """The quantization's grid: a warp per (row, 128 channels), grid-strided over 4 blocks a multiprocessor."""
-        return (max(1, min(-(-warps // (EW_THREADS // 32)), 4 * 132)), 1)
-
-    first = ({"quant_x": (quant_grid(nb * (c.h // 128)), EW_THREADS, 0)} if t.a8 else
+    first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
     group = {"count": ((chunks(c, nb), 1), GROUP_THREADS, 0), "scan": ((1, 1), GROUP_THREADS, 0),
              "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
@@ -299,7 +296,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
               if c.si else {})
     experts = {**routed, **shared}
     if t.a8:  # both gate/up GEMMs, the quantization of their activations, then the downs
-        quant_h = {"quant_h": (quant_grid(nb * c.k * (c.i // 128) + nb * (c.si // 128)), EW_THREADS, 0)}
+        quant_h = {"quant_h": ((quant_blocks(nb * c.k * (c.i // 128) + nb * (c.si // 128)), 1), QUANT_THREADS, 0)}
         experts = {f: experts[f] for f in ("gemm_gate_up", "gemm_gate_up_shared") if f in experts} | quant_h | {
             f: experts[f] for f in ("gemm_down", "gemm_down_shared") if f in experts}
     grids = {**first, **group, **experts, "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}

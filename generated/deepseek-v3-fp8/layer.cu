@@ -256,6 +256,13 @@ MOE_DEVICE u32 e4m3x2_codes(u32 two, float s) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // hi -> upper byte
   return q;
 }
+// The scale of a 128-channel group of activations held by a warp, 4 bf16 a lane (v):
+// max(amax, 1e-4) / 448 in fp32 (MODELS.md format a, DeepSeek's act_quant).
+MOE_DEVICE float group_scale_e4m3(uint2 v) {
+  const float a = fmaxf(fmaxf(fabsf(bf16_to_f32((bf16_t)(v.x & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.x >> 16)))),
+                        fmaxf(fabsf(bf16_to_f32((bf16_t)(v.y & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.y >> 16)))));
+  return __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
+}
 MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) { return e4m3x2_to_bf16x2((unsigned short)e4m3x2_codes(two, s)); }
 
 // The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
@@ -1153,9 +1160,7 @@ MOE_DEVICE void quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ 
     const int row = w / kb_count, kb = w % kb_count;
     const size_t at = (size_t)row * k + kb * 128 + lane * 4;
     const uint2 v = *reinterpret_cast<const uint2*>(src + at);
-    const float a = fmaxf(fmaxf(fabsf(bf16_to_f32((bf16_t)(v.x & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.x >> 16)))),
-                          fmaxf(fabsf(bf16_to_f32((bf16_t)(v.y & 0xffffu))), fabsf(bf16_to_f32((bf16_t)(v.y >> 16)))));
-    const float sc = __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
+    const float sc = group_scale_e4m3(v);
     *reinterpret_cast<uint2*>(q + at) = make_uint2(quant_e4m3x2(v.x, sc), quant_e4m3x2(v.y, sc));
     if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
   }
