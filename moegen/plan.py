@@ -357,7 +357,9 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
             *P.launches(c, nb, add)))
     head = (
         *norm,
-        Launch(add(F.router_kernel(c, nt_dense, fused)), ((c.rows_pad // 16) * c.ksplit, 1), WARPS * 32, pdl=True),
+        # from 32 tokens the grid's y splits them too: one pass of 8 * nt_dense tokens a block
+        Launch(add(F.router_kernel(c, nt_dense, fused)),
+               ((c.rows_pad // 16) * c.ksplit, 1 if fused else -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
     )
@@ -403,7 +405,8 @@ def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, 
         Buffer("y", "float32", (nmax * k, h)),
         Buffer("ys", "float32", (nmax, h)),
         Buffer("tile_done", "int32", (h // (16 * c.tune.down_tiles),)),  # counters: zero between calls, the last block resets
-        Buffer("route_done", "int32", (1 + c.rows_pad // 16,)),  # the route's counter, then each router tile's
+        # the route's counter, then each router tile's for each y of the router's grid
+        Buffer("route_done", "int32", (1 + (c.rows_pad // 16) * -(-nmax // (8 * MAX_NT)),)),
         Buffer("route_cnt", "int32", (c.e,)),  # tokens per expert, summed over the route's blocks (zero between calls)
         Buffer("gbar", "int32", (1,)),  # the one-token kernel's grid barrier (a word whose top bit flips)
         # its tagged words (tuning single_tags): partial logits (value, epoch), activations (bf16,

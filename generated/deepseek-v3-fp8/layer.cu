@@ -909,22 +909,28 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
         slot_token, n, slot_w, token_ids, tid2eid);
   } else if (KSPLIT > 1) {
+    // One counter per (tile, y): the last of a tile's K parts adds the partials of the tokens its
+    // y covers, so that no block adds all of them (the grid's y splits the tokens from 32 on).
     __shared__ int tile_last;
+    int* done = route_done + 1 + tile * gridDim.y + blockIdx.y;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-      tile_last = atomicAdd(route_done + 1 + tile, 1) == KSPLIT - 1;
-      if (tile_last) route_done[1 + tile] = 0;  // every part of this tile has counted
+      tile_last = atomicAdd(done, 1) == KSPLIT - 1;
+      if (tile_last) *done = 0;  // every part of this tile has counted
     }
     __syncthreads();
     if (!tile_last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < n * 16; i += WARPS * 32) {  // 0 + p0 + p1 + ...: the route's order
-      float* p0 = logits + (size_t)(i >> 4) * ROWS_PAD + tile * 16 + (i & 15);
-      float s = 0.0f;
+    for (int n0 = blockIdx.y * 8 * NT; n0 < n; n0 += gridDim.y * 8 * NT) {
+      for (int i = threadIdx.x; i < 8 * NT * 16; i += WARPS * 32) {  // 0 + p0 + p1 + ...: the route's order
+        if (n0 + (i >> 4) >= n) break;
+        float* p0 = logits + (size_t)(n0 + (i >> 4)) * ROWS_PAD + tile * 16 + (i & 15);
+        float s = 0.0f;
 #pragma unroll
-      for (int p = 0; p < KSPLIT; ++p) s += __ldcg(p0 + (size_t)p * NMAX * ROWS_PAD);
-      *p0 = s;
+        for (int p = 0; p < KSPLIT; ++p) s += __ldcg(p0 + (size_t)p * NMAX * ROWS_PAD);
+        *p0 = s;
+      }
     }
   }
 }
@@ -1022,23 +1028,31 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
   }
 }
 
-// The weighted sum of a token's choices at output column h: sum_j w[t, j] * y(j) in choice order,
-// y(j) the choice's expert output; a zero (identity) expert contributes w * x (on one rank), and
-// with expert parallelism another rank's expert nothing. Llama-4 weighted the input instead (w = 1).
-template <int K, int H, class Y>
-MOE_DEVICE float weighted_choices(int tk, int h, const float* __restrict__ topk_w, const int* __restrict__ topk_ids,
-                                  const int* __restrict__ pair_pos, const bf16_t* __restrict__ x, Y y) {
-  float acc = 0.0f;
+// The weighted sum of a token's choices at output columns h .. h + V - 1: acc[v] = sum_j w[t, j] *
+// y(j)[v] in choice order, y(j, yv) the choice's expert output; a zero (identity) expert
+// contributes w * x (on one rank), and with expert parallelism another rank's expert nothing.
+// Llama-4 weighted the input instead (w = 1).
+template <int K, int H, int V, class Y>
+MOE_DEVICE void weighted_choices(float (&acc)[V], int tk, int h, const float* __restrict__ topk_w,
+                                 const int* __restrict__ topk_ids, const int* __restrict__ pair_pos,
+                                 const bf16_t* __restrict__ x, Y y) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) acc[v] = 0.0f;
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
     if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
-      if (RouteRule::EP_RANK0) acc = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h]), acc);  // added on one rank
+      if (RouteRule::EP_RANK0) {  // added on one rank
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[v] = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h + v]), acc[v]);
+      }
     } else if (!RouteRule::EP || pair_pos[tk * K + j] >= 0) {
-      acc = fmaf(w, y(j), acc);
+      float yv[V];
+      y(j, yv);
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] = fmaf(w, yv[v], acc[v]);
     }
   }
-  return acc;
 }
 
 // Down projection of TPB 16-row tiles of the hidden dimension (one block: TPB*16 rows, packed
@@ -1071,26 +1085,26 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   constexpr int SMEM = KCS > 0 && GS::SMEM_BYTES > GR::SMEM_BYTES ? GS::SMEM_BYTES : GR::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   __shared__ int is_last;
-  const int routed_blocks = gridDim.x - (KCS > 0 ? TH : 0);
-  if (PREFETCH && blockIdx.x < routed_blocks && threadIdx.x == 0) {
+  // Blocks in row-group order: a group's routed slots, then its shared-expert block, so that the
+  // groups complete (and are summed by their last block) one after another while the rest stream.
+  const int per_group = gridDim.x / TH, routed_slots = per_group - (KCS > 0 ? 1 : 0);
+  const int group = blockIdx.x / per_group, slot = blockIdx.x % per_group;
+  const bool routed = slot < routed_slots;
+  if (PREFETCH && routed && threadIdx.x == 0) {
     // Before the wait, while gate/up may still run: this block's weight tile into L2. The routing
     // is complete here (gate/up's routed blocks let this grid start only after their own wait on
     // it); read past L1 all the same. A hint only: results never depend on it, and the expert
     // index is clamped so that the address stays inside the weights whatever was read.
-    const int slot = blockIdx.x / TH;
     if (slot < __ldcg(num_slots)) {
       const int e = min(max(__ldcg(slot_expert + slot), 0), E_LOCAL - 1);
-      prefetch_l2(w2 + ((size_t)e * TH + blockIdx.x % TH) * KC * GR::AU * 32, KC * GR::AU * 512);
+      prefetch_l2(w2 + ((size_t)e * TH + group) * KC * GR::AU * 32, KC * GR::AU * 512);
     }
   } else if (PREFETCH && KCS > 0 && threadIdx.x == 0) {  // the shared expert's tile needs no routing
-    prefetch_l2(ws2 + (size_t)(blockIdx.x - routed_blocks) * KCS * GS::AU * 32, KCS * GS::AU * 512);
+    prefetch_l2(ws2 + (size_t)group * KCS * GS::AU * 32, KCS * GS::AU * 512);
   }
   grid_dep_wait();
   grid_dep_launch();
-  int group;
-  if (blockIdx.x < routed_blocks) {
-    const int slot = blockIdx.x / TH;
-    group = blockIdx.x % TH;
+  if (routed) {
     if (slot >= *num_slots) return;
     const int e = slot_expert[slot], begin = slot_begin[slot], m = slot_begin[slot + 1] - begin;
     const uint4* a = w2 + ((size_t)e * TH + group) * KC * GR::AU * 32;
@@ -1113,7 +1127,6 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
       __syncthreads();
     }
   } else {
-    group = blockIdx.x - routed_blocks;
     const uint4* a = ws2 + (size_t)group * KCS * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss2, group, KCS, TPB)
                       : FMTS == MOE_W_NVFP4 ? nv_scales(ss2, group, KCS, TPB)
@@ -1140,12 +1153,32 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < n * ROWS; i += WARPS * 32) {
-    const int tk = i / ROWS, h = group * ROWS + i % ROWS;
-    float acc = weighted_choices<K, H>(tk, h, topk_w, topk_ids, pair_pos, x,
-                                       [&](int j) { return __ldcg(y + (size_t)pair_pos[tk * K + j] * H + h); });
-    if (KCS > 0) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, __ldcg(ys + (size_t)tk * H + h), acc);
-    out[(size_t)tk * H + h] = f32_to_bf16(acc);
+  // Four rows of one token a thread (float4 reads of its choices' rows), two such in flight: the
+  // sums of a group take a few round trips to L2 at any N, not one per 4 tokens.
+  constexpr int R4 = ROWS / 4, THREADS = WARPS * 32;
+  for (int i0 = threadIdx.x; i0 < n * R4; i0 += 2 * THREADS) {
+    float acc[2][4];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = min(i0 + u * THREADS, n * R4 - 1), tk = i / R4, h = group * ROWS + (i % R4) * 4;
+      weighted_choices<K, H>(acc[u], tk, h, topk_w, topk_ids, pair_pos, x, [&](int j, float (&v)[4]) {
+        const float4 q = __ldcg(reinterpret_cast<const float4*>(y + (size_t)pair_pos[tk * K + j] * H + h));
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      });
+      if (KCS > 0) {
+        const float gs = SHARED_GATE ? gate_s[tk] : 1.0f;
+        const float4 q = __ldcg(reinterpret_cast<const float4*>(ys + (size_t)tk * H + h));
+        acc[u][0] = fmaf(gs, q.x, acc[u][0]), acc[u][1] = fmaf(gs, q.y, acc[u][1]);
+        acc[u][2] = fmaf(gs, q.z, acc[u][2]), acc[u][3] = fmaf(gs, q.w, acc[u][3]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = i0 + u * THREADS, tk = i / R4, h = group * ROWS + (i % R4) * 4;
+      if (i < n * R4)
+        *reinterpret_cast<uint2*>(out + (size_t)tk * H + h) =
+            make_uint2(pack_bf16x2(acc[u][0], acc[u][1]), pack_bf16x2(acc[u][2], acc[u][3]));
+    }
   }
 }
 
@@ -1363,12 +1396,13 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
     for (int r = 0; r < 8; ++r) y += v[j][r][hh];
     return y;
   };
-  float acc = weighted_choices<K, H>(tk, h, topk_w, topk_ids, pair_pos, x, [&](int j) {
+  float acc[1];
+  weighted_choices<K, H>(acc, tk, h, topk_w, topk_ids, pair_pos, x, [&](int j, float (&v)[1]) {
     const float y = eighths(j);
-    return ActRule::EXPERT_BIAS ? y + b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h] : y;
+    v[0] = ActRule::EXPERT_BIAS ? y + b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h] : y;
   });
-  if (SHARED) acc = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc);
-  out[(size_t)tk * H + h] = f32_to_bf16(acc);
+  if (SHARED) acc[0] = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc[0]);
+  out[(size_t)tk * H + h] = f32_to_bf16(acc[0]);
 }
 
 
