@@ -824,16 +824,27 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     }
   }
   __syncthreads();
-  for (int p = threadIdx.x; p < n * K; p += THREADS) {
-    const int e = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
-    if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
-      pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
-      continue;
+  // Four pairs a thread at a time: their choices read together, one round trip for four.
+  for (int p0 = threadIdx.x; p0 < n * K; p0 += 4 * THREADS) {
+    int ids[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int p = min(p0 + u * THREADS, n * K - 1);
+      ids[u] = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
     }
-    const int pos = atomicAdd(&cursor[e], 1);
-    pair_pos[p] = pos;
-    slot_token[pos] = p / K;
-    if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int p = p0 + u * THREADS, e = ids[u];
+      if (p >= n * K) break;
+      if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
+        pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
+        continue;
+      }
+      const int pos = atomicAdd(&cursor[e], 1);
+      pair_pos[p] = pos;
+      slot_token[pos] = p / K;
+      if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+    }
   }
 }
 
@@ -1485,8 +1496,8 @@ static_assert(6 <= 32, "route: one choice per lane");
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: sqrt_softplus over 384 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e384_k6_sqrt_softplus_scores_cbias_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<384, 384, 6, 1, 256, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e384_k6_sqrt_softplus_scores_cbias_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<384, 384, 6, 1, 256, false, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)

@@ -824,16 +824,27 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     }
   }
   __syncthreads();
-  for (int p = threadIdx.x; p < n * K; p += THREADS) {
-    const int e = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
-    if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
-      pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
-      continue;
+  // Four pairs a thread at a time: their choices read together, one round trip for four.
+  for (int p0 = threadIdx.x; p0 < n * K; p0 += 4 * THREADS) {
+    int ids[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int p = min(p0 + u * THREADS, n * K - 1);
+      ids[u] = MULTI ? __ldcg(topk_ids + p) : topk_ids[p];  // MULTI: other blocks wrote them
     }
-    const int pos = atomicAdd(&cursor[e], 1);
-    pair_pos[p] = pos;
-    slot_token[pos] = p / K;
-    if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int p = p0 + u * THREADS, e = ids[u];
+      if (p >= n * K) break;
+      if ((R::ZERO > 0 && e >= E) || (R::EP && (e < R::EP_LO || e >= R::EP_LO + R::EP_N))) {
+        pair_pos[p] = -1;  // an identity expert (w * x in the combine) or another rank's expert
+        continue;
+      }
+      const int pos = atomicAdd(&cursor[e], 1);
+      pair_pos[p] = pos;
+      slot_token[pos] = p / K;
+      if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+    }
   }
 }
 
@@ -3094,8 +3105,8 @@ static_assert(8 <= 32, "route: one choice per lane");
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<128, 128, 8, 1, 16384, false, 1024>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<128, 128, 8, 1, 16384, false, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // weight packing, 1 matrices per tile (runs once, at load)
@@ -3184,8 +3195,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_
 #endif
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(1024) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<128, 128, 8, 1, 16384, false, 1024, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<128, 128, 8, 1, 16384, false, 256, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
