@@ -422,7 +422,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}")
     w = _warps(c, 2, max(nt, nts))
     name += f"{_w(w)}_{c.spec.arch}"
-    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, max(nt, nts), c.kf_e, w), _depth_s(c, 2, nt, nts, w),
+    targs = (*map(str, (c.h // 32, nt, nts, w, depth(2, nt, c.kf_e, w), _depth_s(c, 2, nt, nts, w),
                         c.i // 16, c.si // 16, c.i, max(c.si, 1))), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s], str(c.e_local))
     base = (("const uint4* __restrict__ w13", "w13", "w.w13"), ("const uint4* __restrict__ ws13", "ws13", "w.ws13"),
             ("const float* __restrict__ s13", "s13", "w.s13"), ("const float* __restrict__ ss13", "ss13", "w.ss13"),
@@ -446,10 +446,12 @@ def gate_up_kernel(c: Layer, nt: int, nts: int) -> Kernel:
 
 
 def _depth_s(c: Layer, mats: int, nt: int, nts: int, warps: int) -> int:
-    """The shared expert's ring depth in a gate/up or down block: its own format's chunks. A layer
-    without a shared expert reserves no shared memory for that ring (the kernels size theirs by
-    the routed experts' alone); its depth is then the routed one, which leaves the code as it was."""
-    return depth(mats, max(nt, nts), c.kf_s if c.si else c.kf_e, warps)
+    """The shared expert's ring depth in a gate/up or down block: its own format's chunks and token
+    groups (each ring fills the block's static shared memory on its own: a block runs one of them,
+    so the routed experts' ring of fewer token groups holds more chunks in flight). A layer without
+    a shared expert reserves no shared memory for that ring (the kernels size theirs by the routed
+    experts' alone); its depth is then the routed one, which leaves the code as it was."""
+    return depth(mats, nts, c.kf_s, warps) if c.si else depth(mats, nt, c.kf_e, warps)
 
 
 def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
@@ -458,7 +460,7 @@ def down_kernel(c: Layer, nt: int, nts: int) -> Kernel:
             + ("_winput" if c.woi else "") + c.ep_tag)
     w, t = _warps(c, c.tune.down_tiles, max(nt, nts)), c.tune.down_tiles
     name += _w(w) + (f"_t{t}" if t != DOWN_TILES else "") + ("_pf" if c.tune.prefetch else "") + f"_{c.spec.arch}"
-    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, max(nt, nts), c.kf_e, w),
+    targs = (*map(str, (c.i // 32, c.si // 32, nt, nts, w, depth(t, nt, c.kf_e, w),
                         _depth_s(c, t, nt, nts, w), t, c.h // (16 * t), c.h, c.k)), _b(c.gated), FMT_MACRO[c.kf_e], FMT_MACRO[c.kf_s],
              str(c.e_local), _b(c.tune.prefetch))
     base = (("const uint4* __restrict__ w2", "w2", "w.w2"), ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
