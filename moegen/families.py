@@ -388,16 +388,19 @@ def _route_sig(c: Layer, routes: bool = True) -> Extra:
     return sig
 
 
-def route_kernel(c: Layer, desc: str, slots: bool = True) -> Kernel:
-    # It follows a router that leaves the partial sums added in partial 0: it reads one (KSPLIT 1).
-    # slots False (prefill buckets): the choices and weights only, no grouping by expert.
-    name = f"moe_route_{c.route_tag}_n{c.nmax}{'' if slots else '_noslots'}_{c.spec.arch}"
+def route_kernel(c: Layer, desc: str, group_max: int = 0) -> Kernel:
+    """The route kernel. It follows a router that leaves the partial sums added in partial 0: it
+    reads one (KSPLIT 1). Its last block groups the tokens by expert up to group_max tokens (the
+    largest decode bucket; 0: every N); past it (prefill buckets) it writes the choices and
+    weights only: one kernel for both."""
+    name = f"moe_route_{c.route_tag}_n{c.nmax}{f'_g{group_max}' if group_max else ''}_{c.spec.arch}"
     threads = route_threads(c.e + c.z)
-    targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads)) + (() if slots else ("false",))
+    targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads), str(group_max))
     base = (("const float* __restrict__ logits", "logits", "ws.logits"), ("int* route_cnt", "route_cnt", "ws.route_cnt"),
             ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "route", threads, targs, base, _route_sig(c), "route_kernel_body",
-                   f"route: {desc}; one token per warp" + (", the last block groups the tokens by expert" if slots else ""))
+                   f"route: {desc}; one token per warp, the last block groups the tokens by expert"
+                   + (f" up to N = {group_max}" if group_max else ""))
 
 
 def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0) -> Kernel:
@@ -757,14 +760,12 @@ def _w(w: int) -> str:
     return f"_w{w}" if w != WARPS else ""
 
 
-def pack_kernels(arch: str, down_tiles: int = DOWN_TILES) -> list[Kernel]:
-    out = []
-    for mats, inter in ((1, False), (2, False), (down_tiles, True)):
-        name = f"moe_pack_tiles_m{mats}{'_interleaved' if inter else ''}_{arch}"
-        base = (("const bf16_t* __restrict__ src0", "src0", "src0"), ("const bf16_t* __restrict__ src1", "src1", "src1"),
-                ("uint4* __restrict__ dst", "dst", "dst"), ("int experts", "experts", "experts"),
-                ("int rows", "rows", "rows"), ("int rows_pad", "rows_pad", "rows_pad"), ("int k", "k", "k"))
-        out.append(_kernel(name, "pack", PACK_THREADS, (str(mats), _b(inter)), base, (), "pack_body",
-                           f"weight packing, {mats} {'consecutive tiles' if inter else 'matrices'} per tile"
-                           " (runs once, at load)"))
-    return out
+def pack_kernel(arch: str) -> Kernel:
+    """The weight packing (moegen.weights.pack_tiles on the device): any matrices per tile, side by
+    side or interleaved (arguments, not template values: one kernel to compile, run once at load)."""
+    base = (("const bf16_t* __restrict__ src0", "src0", "src0"), ("const bf16_t* __restrict__ src1", "src1", "src1"),
+            ("uint4* __restrict__ dst", "dst", "dst"), ("int experts", "experts", "experts"),
+            ("int rows", "rows", "rows"), ("int rows_pad", "rows_pad", "rows_pad"), ("int k", "k", "k"),
+            ("int mats", "mats", "mats"), ("int interleave", "interleave", "interleave"))
+    return _kernel(f"moe_pack_tiles_{arch}", "pack", PACK_THREADS, (), base, (), "pack_body",
+                   "weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)")

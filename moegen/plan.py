@@ -304,12 +304,12 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
 
     norm = F.norm_kernel(c)
     norm_name = add(norm) if norm else ""
-    route_name = add(F.route_kernel(c, _routing_desc(spec)))
-    for kernel in F.pack_kernels(spec.arch, c.tune.down_tiles):
-        add(kernel)
+    add(F.pack_kernel(spec.arch))
     sizes = _buckets(spec)
     nf = F.fused_max(c, target, sizes)
     pf = P.prefill_from(c)
+    # one route kernel: it groups the tokens by expert up to the largest decode bucket
+    route_name = add(F.route_kernel(c, _routing_desc(spec), max((s for s in sizes if s < pf), default=1) if pf else 0))
     buckets = tuple(_bucket(c, target, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
     pf = min((b.max_tokens for b in buckets if pf and b.max_tokens >= pf), default=0)  # the first prefill bucket
     plan = Plan(
@@ -349,17 +349,17 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
                                        coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
         router = F.router_kernel(c, nt_dense, False, ksplit=1)
-        route = F.route_kernel(c, _routing_desc(c.spec), slots=False)
         return Bucket(nb, (
             *norm,
             Launch(add(router), (c.rows_pad // 16, -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
-            Launch(add(route), (-(-nb // (route.threads // 32)), 1), route.threads, pdl=True),
+            Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1), F.route_threads(c.e + c.z), pdl=True),
             *P.launches(c, nb, add)))
     head = (
         *norm,
-        # from 32 tokens the grid's y splits them too: one pass of 8 * nt_dense tokens a block
-        Launch(add(F.router_kernel(c, nt_dense, fused)),
-               ((c.rows_pad // 16) * c.ksplit, 1 if fused else -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
+        # past the fused buckets the router takes 32-token passes (one kernel for them all: a pass
+        # of 16 tokens costs the same), its grid's y one pass a block
+        Launch(add(F.router_kernel(c, nt_dense if fused else MAX_NT, fused)),
+               ((c.rows_pad // 16) * c.ksplit, 1 if fused else -(-nb // (8 * MAX_NT))), WARPS * 32, pdl=True),
         *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
                                    F.route_threads(c.e + c.z), pdl=True),)),
     )

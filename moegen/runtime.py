@@ -383,12 +383,12 @@ class Layer:
         from cuda.core import LaunchConfig, launch
 
         units = W.packed_nbytes(pw) // 16
-        kernel = self._kernels[f"moe_pack_tiles_m{pw.mats}{'_interleaved' if pw.interleaved else ''}_{self.plan.arch}"]
+        kernel = self._kernels[f"moe_pack_tiles_{self.plan.arch}"]
         src1 = src_ptr[pw.sources[1]] if len(pw.sources) == 2 and pw.mats == 2 else 0
         cfg = LaunchConfig(grid=min(-(-units // 256), 65535), block=256)
         launch(_StreamRef(0), cfg, kernel, np.uint64(src_ptr[pw.sources[0]]), np.uint64(src1),
                np.uint64(packed.ptr(pw.name)), np.int32(max(pw.experts, 1)), np.int32(pw.rows),
-               np.int32(pw.rows_padded), np.int32(pw.cols))
+               np.int32(pw.rows_padded), np.int32(pw.cols), np.int32(pw.mats), np.int32(pw.interleaved))
 
     # ---- forward ----
     def __call__(self, x: Any, out: Any = None, stream: Any = None, token_ids: Any = None) -> Any:

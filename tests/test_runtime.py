@@ -428,7 +428,8 @@ def test_one_token_kernel_for_fp4_weights_compiles_and_launches(fake_cuda, fmt):
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that
-    splits the tokens, its route by one that does not group them), the GEMMs with their shared
+    splits the tokens; the one route kernel groups the tokens up to the largest decode bucket
+    only, here 128), the GEMMs with their shared
     memory (the analytic plan's with a producer warpgroup; the tuning without one launches them as
     completely)."""
     plan = make_plan(dict(SPECS)["prefill"])
@@ -438,7 +439,9 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     assert fams == ["router", "route", "prefill_permute", "prefill_count", "prefill_scan", "prefill_place",
                     "prefill_gemm_gate_up", "prefill_gemm_down", "prefill_combine"]
     names = [ln.kernel for ln in plan.buckets[-1].launches]
-    assert "_ks1_" in names[0] and names[1].endswith("_noslots_sm_90a")
+    assert "_ks1_" in names[0] and names[1].endswith("_g128_sm_90a")
+    decode_routes = {ln.kernel for b in plan.buckets[:-3] for ln in b.launches if plan.kernel(ln.kernel).family == "route"}
+    assert decode_routes == {names[1]}  # the decode buckets' route is the same kernel
     assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-3] for ln in b.launches)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
     assert plan.prefill_tiles[3] and any("_ws_" in k.name for k in plan.kernels)  # the producer warpgroup's
@@ -596,3 +599,36 @@ def test_weights_copied_from_another_layer(fake_cuda):
     for layer in (a, b, other):
         layer.close()
     assert drv.live == {}
+
+
+def test_decode_router_grid_splits_the_tokens_and_its_counters_fit():
+    """Past the fused buckets the router takes one 32-token pass a block (the grid's y), and each
+    (tile, y) has its own counter for the last K part's sums: the workspace holds them all."""
+    for name in ("qwen3-next-80b-a3b", "qwen3-30b-a3b"):
+        plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+        counters = next(b for b in plan.workspace if b.name == "route_done").shape[0]
+        tiles = plan.rows_pad // 16
+        for b in plan.buckets:
+            for ln in b.launches:
+                k = plan.kernel(ln.kernel)
+                if k.family != "router" or "_route_" in k.name or "_ks1_" in k.name:
+                    continue
+                assert ln.grid == (tiles * plan.ksplit, -(-b.max_tokens // 32)), (name, b.max_tokens)
+                assert 1 + tiles * ln.grid[1] <= counters, (name, b.max_tokens)
+
+
+def test_routed_token_groups_follow_the_routed_mean_beside_a_shared_expert():
+    """A layer with a shared expert: the routed blocks pass twice the mean tokens per expert
+    (Qwen3-Next-80B-A3B, 512 experts, top-10: N = 64 -> 8 tokens a pass, N = 256 -> 16), the
+    shared expert the bucket's 32; each ring as deep as its own chunks allow."""
+    plan = make_plan(load_spec(ROOT / "specs" / "qwen3-next-80b-a3b.yaml"))
+
+    def gate_up(nb: int) -> str:
+        b = next(b for b in plan.buckets if b.max_tokens == nb)
+        return next(ln.kernel for ln in b.launches if plan.kernel(ln.kernel).family == "gate_up")
+
+    assert "_nt1_" in gate_up(64) and "_nts4_" in gate_up(64)
+    assert "_nt2_" in gate_up(256) and "_nts4_" in gate_up(256)
+    k = plan.kernel(gate_up(64))
+    depth, depth_s = int(k.targs[4]), int(k.targs[5])  # KC, NT, NTS, WARPS, DEPTH, DEPTHS, ...
+    assert depth > depth_s

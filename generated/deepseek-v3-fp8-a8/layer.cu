@@ -584,10 +584,10 @@ MOE_DEVICE float activate(float g, float u) {
 // routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
 // finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
-// SLOTS false (the prefill buckets, which group the tokens themselves): only the choices and
+// group false (the prefill buckets, which group the tokens themselves): only the choices and
 // their weights (and the shared-expert gate) are written.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
-          bool MULTI = false, bool SLOTS = true>
+          bool MULTI = false>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
@@ -595,7 +595,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
                            int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr,
-                           int* gcnt = nullptr, int* done = nullptr) {
+                           int* gcnt = nullptr, int* done = nullptr, bool group = true) {
   // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
   constexpr int ES = E + R::ZERO;
   constexpr int EPL = (ES + 31) / 32;
@@ -760,7 +760,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
-  if (!SLOTS) return;
+  if (!group) return;
   __syncthreads();
   if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
@@ -850,8 +850,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
 
 
 // The route as its own kernel (token buckets too large for the fused form): one token per warp,
-// as many blocks as the bucket needs; the last block groups the tokens by expert.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, bool SLOTS = true>
+// as many blocks as the bucket needs; the last block groups the tokens by expert, up to GROUP_MAX
+// tokens (the decode buckets; 0: every N), not past it (the prefill buckets group them themselves).
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, int GROUP_MAX = 0>
 MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
                                   const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -862,9 +863,9 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true, SLOTS>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
+      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done, GROUP_MAX == 0 || n <= GROUP_MAX);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -1419,11 +1420,13 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
-// one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
+// one thread writes one lane's 16-byte fragment. Rows past R are zero. With interleave the MATS
 // matrices of a tile group are consecutive 16-row tiles of src0: [E][R_pad/(16*MATS)][K/32][MATS]...
-template <int MATS, bool INTERLEAVE>
+// One kernel for every layout (MATS and interleave are arguments): it runs once, at load.
 MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
-                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int MATS,
+                          int interleave) {
+  const bool INTERLEAVE = interleave != 0;
   const int tiles = rows_pad / (INTERLEAVE ? 16 * MATS : 16), chunks = k / 32;
   const long long total = (long long)experts * tiles * chunks * MATS * 64;
   for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
@@ -2088,28 +2091,16 @@ static_assert(8 <= 32, "route: one choice per lane");
 // ---- kernels of this layer ----
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
-// route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
+// weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<256, 256, 8, 1, 256, false, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
+  pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// weight packing, 1 matrices per tile (runs once, at load)
+// route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert up to N = 16
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
-}
-#endif
-// weight packing, 2 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
-}
-#endif
-// weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_g16_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<256, 256, 8, 1, 256, false, 256, 16>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 8 tokens per pass; the last block routes
@@ -2119,13 +2110,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt1
 }
 #endif
 // x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h7168_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
   act_quant_body<7168, 256>(src, q, s, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 1, 1, 4, 5, 5, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
@@ -2142,14 +2133,14 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
   down_body<64, 64, 1, 1, 4, 5, 5, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
 #endif
-// router: 256 rows x 7168, K split 14 ways, 16 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<224, 2, 4, 6, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+// router: 256 rows x 7168, K split 14 ways, 32 tokens per pass; each tile's last block adds its partials
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<224, 4, 4, 4, 14, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts2_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 1, 2, 4, 5, 4, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
@@ -2166,20 +2157,14 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks1_nt4_
   router_logits_body<224, 4, 4, 4, 1, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n256_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<256, 256, 8, 1, 256, false, 256, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
 // prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h7168_sm_90a(const bf16_t* __restrict__ x, unsigned char* __restrict__ xq, float* __restrict__ sx, int n) {
   prefill_quant_body(x, xq, sx, 7168, n);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 256, counts);
 }
@@ -2191,7 +2176,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r64_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 256, 8, counts, first, tok, slot);
 }
@@ -2203,13 +2188,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, false, true, true>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx);
 }
 #endif
 // prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER (routed, then the shared expert's)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i2048_k8_si2048_sm_90a(const bf16_t* __restrict__ h, unsigned char* __restrict__ hq, float* __restrict__ sa, const bf16_t* __restrict__ hs, unsigned char* __restrict__ hsq, float* __restrict__ sas, int n) {
   prefill_quant_body(h, hq, sa, 2048, n * 8, hs, hsq, sas, 2048, n);
 }
@@ -2221,7 +2206,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e256_k8_h7
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h7168_i2048_bm128_bn64_s4_ws_pair_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2, const float* __restrict__ sas) {
   prefill_gemm<false, 2, false, true, true, true>(hp, nullptr, ws2, stiles, y, 7168, 2048, 448, 1, n, 1, 0, ss2, sas);
 }

@@ -584,10 +584,10 @@ MOE_DEVICE float activate(float g, float u) {
 // routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
 // finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
-// SLOTS false (the prefill buckets, which group the tokens themselves): only the choices and
+// group false (the prefill buckets, which group the tokens themselves): only the choices and
 // their weights (and the shared-expert gate) are written.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
-          bool MULTI = false, bool SLOTS = true>
+          bool MULTI = false>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
@@ -595,7 +595,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
                            int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr,
-                           int* gcnt = nullptr, int* done = nullptr) {
+                           int* gcnt = nullptr, int* done = nullptr, bool group = true) {
   // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
   constexpr int ES = E + R::ZERO;
   constexpr int EPL = (ES + 31) / 32;
@@ -760,7 +760,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
-  if (!SLOTS) return;
+  if (!group) return;
   __syncthreads();
   if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
@@ -850,8 +850,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
 
 
 // The route as its own kernel (token buckets too large for the fused form): one token per warp,
-// as many blocks as the bucket needs; the last block groups the tokens by expert.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, bool SLOTS = true>
+// as many blocks as the bucket needs; the last block groups the tokens by expert, up to GROUP_MAX
+// tokens (the decode buckets; 0: every N), not past it (the prefill buckets group them themselves).
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, int GROUP_MAX = 0>
 MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
                                   const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -862,9 +863,9 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true, SLOTS>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
+      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done, GROUP_MAX == 0 || n <= GROUP_MAX);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -1419,11 +1420,13 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
-// one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
+// one thread writes one lane's 16-byte fragment. Rows past R are zero. With interleave the MATS
 // matrices of a tile group are consecutive 16-row tiles of src0: [E][R_pad/(16*MATS)][K/32][MATS]...
-template <int MATS, bool INTERLEAVE>
+// One kernel for every layout (MATS and interleave are arguments): it runs once, at load.
 MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
-                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int MATS,
+                          int interleave) {
+  const bool INTERLEAVE = interleave != 0;
   const int tiles = rows_pad / (INTERLEAVE ? 16 * MATS : 16), chunks = k / 32;
   const long long total = (long long)experts * tiles * chunks * MATS * 64;
   for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
@@ -1494,28 +1497,16 @@ static_assert(8 <= 32, "route: one choice per lane");
 // ---- kernels of this layer ----
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
-// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; one token per warp, the last block groups the tokens by expert
+// weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<384, 384, 8, 1, 256, false, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
+  pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
-}
-#endif
-// weight packing, 2 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
-}
-#endif
-// weight packing, 2 consecutive tiles per tile (runs once, at load)
+// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; one token per warp, the last block groups the tokens by expert up to N = 256
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n256_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<384, 384, 8, 1, 256, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 384 rows x 7168, K split 7 ways, 8 tokens per pass; the last block routes
@@ -1536,10 +1527,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e384_h7168_i2048_k8_n
   down_body<64, 64, 1, 1, 4, 7, 7, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK, MOE_W_FP8_BLOCK, 384, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 384 rows x 7168, K split 7 ways, 16 tokens per pass; each tile's last block adds its partials
+// router: 384 rows x 7168, K split 7 ways, 32 tokens per pass; each tile's last block adds its partials
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r384_h7168_ks7_nt2_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<224, 2, 4, 6, 7, 384, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r384_h7168_ks7_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<224, 4, 4, 4, 7, 384, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
@@ -1552,12 +1543,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e384_h7168_i2048_n
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e384_h7168_i2048_k8_nt1_fp8_block_si2048_nts2_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<64, 64, 1, 2, 4, 7, 5, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK, MOE_W_FP8_BLOCK, 384, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
-}
-#endif
-// router: 384 rows x 7168, K split 7 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r384_h7168_ks7_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<224, 4, 4, 4, 7, 384, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles

@@ -584,10 +584,10 @@ MOE_DEVICE float activate(float g, float u) {
 // routes its share of the tokens and adds its per-expert counts into gcnt; the last block to
 // finish (integer counter `done`) numbers the slots and places the pairs, and clears gcnt.
 // R is the layer's RouteRule (see the top of the file): scoring, selection, bias, groups, scaling.
-// SLOTS false (the prefill buckets, which group the tokens themselves): only the choices and
+// group false (the prefill buckets, which group the tokens themselves): only the choices and
 // their weights (and the shared-expert gate) are written.
 template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, class R,
-          bool MULTI = false, bool SLOTS = true>
+          bool MULTI = false>
 MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_bias,
                            const float* __restrict__ router_bias, int* __restrict__ topk_ids,
                            float* __restrict__ topk_w, int* __restrict__ pair_pos,
@@ -595,7 +595,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
                            int* __restrict__ slot_expert, int* __restrict__ slot_begin,
                            int* __restrict__ slot_token, int n, float* __restrict__ slot_w = nullptr,
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr,
-                           int* gcnt = nullptr, int* done = nullptr) {
+                           int* gcnt = nullptr, int* done = nullptr, bool group = true) {
   // ES experts are scored; the R::ZERO past E are identity experts, which get no slot.
   constexpr int ES = E + R::ZERO;
   constexpr int EPL = (ES + 31) / 32;
@@ -760,7 +760,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       gate_s[tk] = 1.0f / (1.0f + expf(-s));
     }
   }
-  if (!SLOTS) return;
+  if (!group) return;
   __syncthreads();
   if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
@@ -850,8 +850,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
 
 
 // The route as its own kernel (token buckets too large for the fused form): one token per warp,
-// as many blocks as the bucket needs; the last block groups the tokens by expert.
-template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, bool SLOTS = true>
+// as many blocks as the bucket needs; the last block groups the tokens by expert, up to GROUP_MAX
+// tokens (the decode buckets; 0: every N), not past it (the prefill buckets group them themselves).
+template <int E, int ROWS_PAD, int K, int KSPLIT, int NMAX, bool SHARED_GATE, int THREADS, int GROUP_MAX = 0>
 MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_cnt, int* route_done,
                                   const float* __restrict__ corr_bias,
                                   const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -862,9 +863,9 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
                            const int* __restrict__ token_ids = nullptr, const int* __restrict__ tid2eid = nullptr) {
   grid_dep_wait();
   grid_dep_launch();
-  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true, SLOTS>(
+  route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, true>(
       logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
-      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done);
+      slot_token, n, slot_w, token_ids, tid2eid, route_cnt, route_done, GROUP_MAX == 0 || n <= GROUP_MAX);
 }
 
 // ---- expert GEMV family: router logits, fused gate/up + activation, down projection ----
@@ -1419,11 +1420,13 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
-// one thread writes one lane's 16-byte fragment. Rows past R are zero. With INTERLEAVE the MATS
+// one thread writes one lane's 16-byte fragment. Rows past R are zero. With interleave the MATS
 // matrices of a tile group are consecutive 16-row tiles of src0: [E][R_pad/(16*MATS)][K/32][MATS]...
-template <int MATS, bool INTERLEAVE>
+// One kernel for every layout (MATS and interleave are arguments): it runs once, at load.
 MOE_DEVICE void pack_body(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1,
-                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
+                          uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int MATS,
+                          int interleave) {
+  const bool INTERLEAVE = interleave != 0;
   const int tiles = rows_pad / (INTERLEAVE ? 16 * MATS : 16), chunks = k / 32;
   const long long total = (long long)experts * tiles * chunks * MATS * 64;
   for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
@@ -2088,28 +2091,16 @@ static_assert(8 <= 32, "route: one choice per lane");
 // ---- kernels of this layer ----
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
-// route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<128, 128, 8, 1, 16384, false, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
-// weight packing, 1 matrices per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m1_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<1, false>(src0, src1, dst, experts, rows, rows_pad, k);
-}
-#endif
-// weight packing, 2 matrices per tile (runs once, at load)
+// weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, false>(src0, src1, dst, experts, rows, rows_pad, k);
+extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
+  pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// weight packing, 2 consecutive tiles per tile (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_m2_interleaved_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k) {
-  pack_body<2, true>(src0, src1, dst, experts, rows, rows_pad, k);
+// route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 8
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_g8_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<128, 128, 8, 1, 16384, false, 256, 8>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
@@ -2119,19 +2110,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1
 }
 #endif
 // x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h2048_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
   act_quant_body<2048, 256>(src, q, s, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<64, 1, 1, 4, 5, 5, 48, 0, 768, 1, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
 #endif
 // the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_i768k8_sm_90a(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa, const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s, float* __restrict__ sas, int n) {
   act_quant2_body<768, 8, 128, 0, 256>(act, actq, sa, act_s, actq_s, sas, n);
 }
@@ -2143,15 +2134,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 16 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 2, 4, 6, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
-// route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_noslots_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<128, 128, 8, 1, 16384, false, 256, false>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER
@@ -2203,7 +2188,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_s
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
