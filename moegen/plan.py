@@ -11,7 +11,12 @@ The analytic model (decode is memory-bound):
   pass, NT sized from the expected tokens per expert in the bucket (more passes re-read the tile
   from L2, not from memory);
 - the router matrix is small (E x H), so its K is split over KSPLIT blocks per tile until the
-  tiles cover the multiprocessors; the route kernel adds the partial sums in a fixed order;
+  tiles cover the multiprocessors, and past the fused buckets its grid's y splits the tokens into
+  32-token passes; each (tile, pass)'s last K part adds its partial sums in a fixed order;
+- a "last block" that sums others' results must not become the kernel's tail: the router's last
+  K part sums one 32-token pass, and the down blocks run in row-group order, so that each row
+  group's last block sums it (float4 rows, two tokens in flight a thread) while later groups
+  stream, not all of them at the grid's end;
 - gate/up then down, each over all of K. A tuning may instead fuse them for the smallest buckets
   (families.fused_max: each pair of gate/up tiles computes down's partial sums over its K chunk,
   a combine kernel adds them in order; the partials must stay within an eighth of L2). Measured,
