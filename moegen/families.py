@@ -26,13 +26,8 @@ NORM_THREADS = 256
 ROUTE_THREADS = 256  # the route kernel: one warp per token, 8 tokens a block
 # (routing a token is a warp's arithmetic over all its experts: with 32 tokens a block, 1024
 # threads, a multiprocessor's issue slots bound the kernel; Qwen3-Next-80B-A3B's route took
-# 17.6-22 us at N = 64-256 on the H200)
-
-
-def route_threads(scored: int) -> int:
-    """Threads of the route kernel (any number of scored experts: 256 threads leave a lane all the
-    registers its scores need)."""
-    return ROUTE_THREADS
+# 17.6-22 us at N = 64-256 on the H200; 256 threads also leave a lane the registers for any
+# number of scored experts)
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
 FP4_FORMATS = ("mxfp4", "nvfp4")  # e2m1 codes: two matrices (gate and up, or two down tiles) share a fragment
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
@@ -394,7 +389,7 @@ def route_kernel(c: Layer, desc: str, group_max: int = 0) -> Kernel:
     largest decode bucket; 0: every N); past it (prefill buckets) it writes the choices and
     weights only: one kernel for both."""
     name = f"moe_route_{c.route_tag}_n{c.nmax}{f'_g{group_max}' if group_max else ''}_{c.spec.arch}"
-    threads = route_threads(c.e + c.z)
+    threads = ROUTE_THREADS
     targs = (str(c.e), str(c.rows_pad), str(c.k), "1", str(c.nmax), _b(c.gated), str(threads), str(group_max))
     base = (("const float* __restrict__ logits", "logits", "ws.logits"), ("int* route_cnt", "route_cnt", "ws.route_cnt"),
             ("int* route_done", "route_done", "ws.route_done"))

@@ -357,7 +357,7 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
         return Bucket(nb, (
             *norm,
             Launch(add(router), (c.rows_pad // 16, -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
-            Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1), F.route_threads(c.e + c.z), pdl=True),
+            Launch(route_name, (-(-nb // (F.ROUTE_THREADS // 32)), 1), F.ROUTE_THREADS, pdl=True),
             *P.launches(c, nb, add)))
     head = (
         *norm,
@@ -365,8 +365,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
         # of 16 tokens costs the same), its grid's y one pass a block
         Launch(add(F.router_kernel(c, nt_dense if fused else MAX_NT, fused)),
                ((c.rows_pad // 16) * c.ksplit, 1 if fused else -(-nb // (8 * MAX_NT))), WARPS * 32, pdl=True),
-        *(() if fused else (Launch(route_name, (-(-nb // (F.route_threads(c.e + c.z) // 32)), 1),
-                                   F.route_threads(c.e + c.z), pdl=True),)),
+        *(() if fused else (Launch(route_name, (-(-nb // (F.ROUTE_THREADS // 32)), 1), F.ROUTE_THREADS,
+                                   pdl=True),)),
     )
     if nb <= nf:
         fk, ck = F.fused_kernel(c, nf), F.combine_kernel(c, nf)
