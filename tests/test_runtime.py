@@ -615,6 +615,11 @@ def test_decode_router_grid_splits_the_tokens_and_its_counters_fit():
                     continue
                 assert ln.grid == (tiles * plan.ksplit, -(-b.max_tokens // 32)), (name, b.max_tokens)
                 assert 1 + tiles * ln.grid[1] <= counters, (name, b.max_tokens)
+        # one route kernel; it groups the tokens up to the largest decode bucket (every N without prefill)
+        routes = {k for k in plan.kernels if k.family == "route"}
+        assert len(routes) == 1
+        decode = max((b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from), default=0)
+        assert next(iter(routes)).targs[-1] == (str(decode) if plan.prefill_from else "0"), name
 
 
 def test_routed_token_groups_follow_the_routed_mean_beside_a_shared_expert():
