@@ -210,6 +210,23 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     return 0
 
 
+def timed_dir(spec: Any, plan: Plan, out_root: Path) -> Path:
+    """The generated directory to time: out_root/<name> where it holds what this moegen builds from
+    the spec (its CUDA source and launcher as rendered now), else a fresh one in a temporary
+    directory, said on stdout (a directory built by another version or from other templates would
+    time other kernels)."""
+    files = render_all(spec, plan)
+    gen = out_root / spec.name
+    if all((gen / name).is_file() and (gen / name).read_text() == text for name, text in files.items()):
+        return gen
+    if (gen / "launcher.py").is_file():
+        print(f"{gen} is not what this moegen builds from the spec (rebuild it with moegen build): "
+              "timing a fresh build")
+    fresh = Path(tempfile.mkdtemp()) / spec.name
+    write_dir(fresh, files)
+    return fresh
+
+
 def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: bool, stages: bool, out_root: str,
              pending: bool, device: Any, timer: _Timer, bw: float) -> dict[str, Any]:
     """One spec's rows: us per layer, distinct experts, floor bytes and roofline per token count."""
@@ -217,10 +234,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     if pending and not_generated(spec):
         print(f"{spec.name}: timing a refused spec ({'; '.join(not_generated(spec))}): its results are not checked here")
     plan = tuned_plan(spec, out_root)  # as the build into out_root made it
-    gen = Path(out_root) / spec.name
-    if not (gen / "launcher.py").is_file():
-        gen = Path(tempfile.mkdtemp()) / spec.name
-        write_dir(gen, render_all(spec, plan))
+    gen = timed_dir(spec, plan, Path(out_root))
     rng = np.random.default_rng()
     compare = compare and _can_compare(spec)
     layers = _layer_count(plan, layers, device)

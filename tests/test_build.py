@@ -702,3 +702,23 @@ def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
         data = {**yaml.safe_load(QWEN.read_text()), **body}
         p = make_plan(parse_spec(data, "variant"), tuning=F.Tuning(fused=8))
         assert not any(k.family in ("expert", "combine") for k in p.kernels), body
+
+
+def test_bench_times_what_this_moegen_builds(tmp_path, capsys):
+    """`moegen bench` times out_root/<name> only where it holds what this moegen renders from the
+    spec; a directory from other templates or another version is left alone and a fresh build
+    timed instead, and the run says so."""
+    from moegen.bench import timed_dir
+
+    spec = load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml")
+    plan = make_plan(spec)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    assert timed_dir(spec, plan, tmp_path) == tmp_path / spec.name
+    assert capsys.readouterr().out == ""
+    stale = tmp_path / spec.name / CUDA_FILE
+    stale.write_text(stale.read_text() + "// from other templates\n")
+    fresh = timed_dir(spec, plan, tmp_path)
+    assert fresh != tmp_path / spec.name and (fresh / CUDA_FILE).read_text() == render_all(spec, plan)[CUDA_FILE]
+    assert "is not what this moegen builds" in capsys.readouterr().out
+    assert stale.read_text().endswith("// from other templates\n")  # left as it was
+    assert timed_dir(spec, plan, tmp_path / "none") != tmp_path / "none" / spec.name  # no directory: a fresh one
