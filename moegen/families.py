@@ -152,6 +152,9 @@ class Tuning:
     # analytic plan) or True: on (Qwen3-30B-A3B-FP8 at N = 1: 22.8 against 25.2 us on the H200;
     # Qwen3-30B-A3B 26.9 against 27.0, its fence now off the route's path); False: never
     single_tmap: bool | None = None
+    # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
+    # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
+    routed_nt: int = 0
 
     def check(self, spec: Spec) -> None:
         """Raises TuningError where the kernels cannot take this tuning."""
@@ -172,6 +175,8 @@ class Tuning:
             raise TuningError(f"tuning prefill_from={self.prefill_from}: 0 (analytic) or a token count")
         if self.fused < 0:
             raise TuningError(f"tuning fused={self.fused}: 0 (off) or the largest bucket to fuse")
+        if self.routed_nt not in (0, 1, 2, 3, 4):
+            raise TuningError(f"tuning routed_nt={self.routed_nt}: 1-4 groups of 8 tokens a pass (0: the analytic choice)")
         kc = h // 32
         if self.router_split and (self.router_split < 0 or kc % self.router_split or kc // self.router_split < WARPS):
             raise TuningError(f"tuning router_split={self.router_split}: a divisor of hidden_size/32={kc} leaving "

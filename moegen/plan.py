@@ -380,7 +380,7 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     # a shared expert carry 32-token passes for a few tokens each, and their ring a quarter of the
     # chunks in flight: DeepSeek-V3-FP8 at N = 64 / 256 streamed at 66% / 59% of the roofline on
     # the H200, against 92% at N = 8.)
-    nt_routed = _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
+    nt_routed = min(c.tune.routed_nt, nt_dense) if c.tune.routed_nt else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
     nt_shared = nt_dense if c.si else nt_routed  # without a shared expert its token groups are unused
     groups = c.h // (16 * c.tune.down_tiles)
     launches = (

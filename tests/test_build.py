@@ -722,3 +722,25 @@ def test_bench_times_what_this_moegen_builds(tmp_path, capsys):
     assert "is not what this moegen builds" in capsys.readouterr().out
     assert stale.read_text().endswith("// from other templates\n")  # left as it was
     assert timed_dir(spec, plan, tmp_path / "none") != tmp_path / "none" / spec.name  # no directory: a fresh one
+
+
+def test_tune_can_vary_the_routed_experts_pass_width():
+    """`moegen tune --only routed_nt` times the analytic plan against fixed pass widths for the
+    routed experts (1, 2 or 4 groups of 8 tokens, never more than the bucket's): on Qwen3-30B-A3B
+    (128 experts, top-8) the analytic N = 128 bucket passes 16 tokens (twice its mean of 8)."""
+    from moegen.families import Tuning
+    from moegen.tune import _valid
+
+    spec = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
+    variants = _valid(spec, only=("routed_nt",))
+    assert [t.routed_nt for t, _ in variants] == [0, 1, 2, 4]
+
+    def gate_up(plan: Plan, nb: int) -> str:
+        b = next(b for b in plan.buckets if b.max_tokens == nb)
+        return next(ln.kernel for ln in b.launches if plan.kernel(ln.kernel).family == "gate_up")
+
+    plans = {t.routed_nt: p for t, p in variants}
+    assert "_nt2_" in gate_up(plans[0], 128) and "_nt4_" in gate_up(plans[4], 128) and "_nt1_" in gate_up(plans[1], 128)
+    assert "_nt1_" in gate_up(plans[4], 8)  # never wider than the bucket's own (8 tokens)
+    with pytest.raises(ValueError, match="routed_nt=5"):
+        make_plan(spec, tuning=Tuning(routed_nt=5))
