@@ -314,12 +314,12 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     nf = F.fused_max(c, target, sizes)
     pf = P.prefill_from(c)
     # one route kernel: it groups the tokens by expert up to the largest decode bucket (every N
-    # where no bucket reaches the prefill crossover)
+    # where no bucket reaches the prefill crossover: first_pf, the first prefill bucket, 0)
     first_pf = min((s for s in sizes if pf and s >= pf), default=0)
     route_name = add(F.route_kernel(c, _routing_desc(spec), max((s for s in sizes if s < first_pf), default=1)
                                     if first_pf else 0))
     buckets = tuple(_bucket(c, target, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
-    pf = min((b.max_tokens for b in buckets if pf and b.max_tokens >= pf), default=0)  # the first prefill bucket
+    pf = first_pf
     plan = Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
