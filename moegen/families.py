@@ -602,6 +602,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
     static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
     static += 16 * c.e + 256  # route_block's keys, scores and group maxima
+    static += 12 * 32  # route_one's candidates and their scores
     # the activations staged for down; with tagged words, the logits before them in the same space
     static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales

@@ -1665,20 +1665,77 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
           }
         }
       }
-#pragma unroll 1
-  for (int j = 0; j < K; ++j) {
-    const u32 kmax = __reduce_max_sync(0xffffffffu, ck[0]);
-    const int owner = __ffs(__ballot_sync(0xffffffffu, ck[0] == kmax)) - 1;
-    if (lane == owner) {
-      ids[j] = lane * EPL + ci[0];
-      s_pick[j] = R::CORR_BIAS ? cs[0] : key_value(ck[0]);  // (without a bias the value is the score)
+  // The k largest as one 64-bit order (the key above the inverted expert index: the larger value
+  // first, equal values the lower expert; every entry distinct). T, the k-th largest of the lanes'
+  // first entries, bounds the k-th largest entry from below (k lanes each hold one >= T), so the
+  // choices are the k largest of the entries >= T, which only the k lanes whose first entry is
+  // >= T hold (at most k * EPL; about k for logits at random): those are gathered into shared
+  // memory and each ranked among the others, a few dependent steps where k rounds of a warp
+  // reduction took k. Past 32 of them (ties or skewed logits), and where a lane holds at most 4
+  // experts (a round's shift is short: the rounds measured as fast), the rounds.
+  const auto entry = [&](int i) -> unsigned long long {
+    return (unsigned long long)ck[i] << 32 | (0xffffffffu - (u32)(lane * EPL + ci[i]));
+  };
+  constexpr bool BOUND = P2 >= 8;
+  int total = 33;  // BOUND: the entries >= T
+  if constexpr (BOUND) {
+    __shared__ __align__(16) unsigned long long s_cand[32];
+    __shared__ float s_cscore[R::CORR_BIAS ? 32 : 1];
+    const unsigned long long head = entry(0);
+    int above = 0;  // lanes whose first entry is larger than this lane's
 #pragma unroll
-      for (int i = 0; i + 1 < P2; ++i) {
-        ck[i] = ck[i + 1];
-        ci[i] = ci[i + 1];
-        if (R::CORR_BIAS) cs[i] = cs[i + 1];
+    for (int m = 0; m < 32; ++m) above += __shfl_sync(0xffffffffu, head, m) > head;
+    const unsigned long long bound = __shfl_sync(0xffffffffu, head, __ffs(__ballot_sync(0xffffffffu, above == K - 1)) - 1);
+    int cnt = 0;  // this lane's entries >= T: the first cnt of its list
+#pragma unroll
+    for (int i = 0; i < P2; ++i) cnt += entry(i) >= bound;
+    int off = cnt;  // inclusive scan over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int o = __shfl_up_sync(0xffffffffu, off, d);
+      if (lane >= d) off += o;
+    }
+    total = __shfl_sync(0xffffffffu, off, 31);
+    off -= cnt;
+    if (total <= 32) {
+#pragma unroll
+      for (int i = 0; i < P2; ++i)
+        if (i < cnt) {
+          s_cand[off + i] = entry(i);
+          if (R::CORR_BIAS) s_cscore[off + i] = cs[i];
+        }
+      __syncwarp();
+      if (lane < total) {
+        const unsigned long long me = s_cand[lane];
+        int r = 0;
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {  // (past total: not counted)
+          const ulonglong2 o = *reinterpret_cast<const ulonglong2*>(s_cand + j);
+          r += (j < total && o.x > me) + (j + 1 < total && o.y > me);
+        }
+        if (r < K) {
+          ids[r] = (int)(0xffffffffu - (u32)me);
+          s_pick[r] = R::CORR_BIAS ? s_cscore[lane] : key_value((u32)(me >> 32));
+        }
       }
-      ck[P2 - 1] = 0u;
+    }
+  }
+  if (total > 32) {
+#pragma unroll 1
+    for (int j = 0; j < K; ++j) {
+      const u32 kmax = __reduce_max_sync(0xffffffffu, ck[0]);
+      const int owner = __ffs(__ballot_sync(0xffffffffu, ck[0] == kmax)) - 1;
+      if (lane == owner) {
+        ids[j] = lane * EPL + ci[0];
+        s_pick[j] = R::CORR_BIAS ? cs[0] : key_value(ck[0]);  // (without a bias the value is the score)
+#pragma unroll
+        for (int i = 0; i + 1 < P2; ++i) {
+          ck[i] = ck[i + 1];
+          ci[i] = ci[i + 1];
+          if (R::CORR_BIAS) cs[i] = cs[i + 1];
+        }
+        ck[P2 - 1] = 0u;
+      }
     }
   }
   __syncwarp();
