@@ -1626,83 +1626,61 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     const int e = lane * EPL + i;
     sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
   }
-  // This lane's experts as (key, slot) pairs, sorted once: a larger selection value first, equal
-  // values the lower slot (a bitonic network over the next power of two, the slots past EPL keyed
-  // below every expert). Each round the warp takes the largest first key (the lowest lane among
-  // equal ones) and only that lane shifts its list: one reduction, one ballot and a shift a round,
-  // where a pairwise tree over the lane's remaining values ran again in the winning lane.
   constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
   static_assert(EPL <= 16, "route_one: at most 512 experts");
-  u32 ck[P2];
-  int ci[P2];
-  float cs[R::CORR_BIAS ? P2 : 1];  // the scores, where the selection values are not (a correction bias)
-#pragma unroll
-  for (int i = 0; i < P2; ++i) {
-    ck[i] = i < EPL ? order_key(sel[i]) : 0u;
-    ci[i] = i;
-    if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
-  }
-#pragma unroll
-  for (int size = 2; size <= P2; size *= 2)
-#pragma unroll
-    for (int stride = size / 2; stride > 0; stride /= 2)
-#pragma unroll
-      for (int i = 0; i < P2; ++i) {
-        const int o = i ^ stride;
-        if (o > i) {  // i's pair: descending where i & size is 0, ascending elsewhere (selects, no branches)
-          const bool o_first = ck[o] > ck[i] || (ck[o] == ck[i] && ci[o] < ci[i]);
-          const bool sw = o_first == ((i & size) == 0);
-          const u32 ki = ck[i], ko = ck[o];
-          const int si = ci[i], so = ci[o];
-          ck[i] = sw ? ko : ki;
-          ck[o] = sw ? ki : ko;
-          ci[i] = sw ? so : si;
-          ci[o] = sw ? si : so;
-          if (R::CORR_BIAS) {
-            const float fi = cs[i], fo = cs[o];
-            cs[i] = sw ? fo : fi;
-            cs[o] = sw ? fi : fo;
-          }
-        }
-      }
-  // The k largest as one 64-bit order (the key above the inverted expert index: the larger value
-  // first, equal values the lower expert; every entry distinct). T, the k-th largest of the lanes'
-  // first entries, bounds the k-th largest entry from below (k lanes each hold one >= T), so the
-  // choices are the k largest of the entries >= T, which only the k lanes whose first entry is
-  // >= T hold (at most k * EPL; about k for logits at random): those are gathered into shared
-  // memory and each ranked among the others, a few dependent steps where k rounds of a warp
-  // reduction took k. Past 32 of them (ties or skewed logits), and where a lane holds at most 4
-  // experts (a round's shift is short: the rounds measured as fast), the rounds.
-  const auto entry = [&](int i) -> unsigned long long {
-    return (unsigned long long)ck[i] << 32 | (0xffffffffu - (u32)(lane * EPL + ci[i]));
-  };
+  // Where a lane holds 8 or more experts (BOUND), the k largest as one 64-bit order per expert (the
+  // key above the inverted expert index: a larger value first, equal values the lower expert; every
+  // entry distinct). T, the k-th largest of the lanes' largest entries, bounds the k-th largest
+  // entry from below (k lanes each hold one >= T), so the choices are the k largest of the entries
+  // >= T, which only the k lanes whose largest entry is >= T hold (at most k * EPL; about k for
+  // logits at random): those are gathered into shared memory and each ranked among the others, a
+  // few dependent steps where k rounds of a warp reduction took k, and no lane sorts its experts.
+  // Past 32 of them (ties or skewed logits), k rounds, each lane's largest remaining entry found
+  // by a pass over its experts. With fewer experts a lane (a round's work is short: the rounds
+  // measured as fast), each lane's experts as (key, slot) pairs, sorted once (a bitonic network
+  // over the next power of two, the slots past EPL keyed below every expert); each round the warp
+  // takes the largest first key (the lowest lane among equal ones) and only that lane shifts its
+  // list: one reduction, one ballot and a shift a round.
   constexpr bool BOUND = P2 >= 8;
-  int total = 33;  // BOUND: the entries >= T
   if constexpr (BOUND) {
     __shared__ __align__(16) unsigned long long s_cand[32];
     __shared__ float s_cscore[R::CORR_BIAS ? 32 : 1];
-    const unsigned long long head = entry(0);
-    int above = 0;  // lanes whose first entry is larger than this lane's
+    unsigned long long ent[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) ent[i] = (unsigned long long)order_key(sel[i]) << 32 | (0xffffffffu - (u32)(lane * EPL + i));
+    auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
+      unsigned long long m[EPL];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+#pragma unroll
+      for (int s = 1; s < EPL; s *= 2)
+#pragma unroll
+        for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
+      return m[0];
+    };
+    const unsigned long long head = lane_max();
+    int above = 0;  // lanes whose largest entry is larger than this lane's
 #pragma unroll
     for (int m = 0; m < 32; ++m) above += __shfl_sync(0xffffffffu, head, m) > head;
     const unsigned long long bound = __shfl_sync(0xffffffffu, head, __ffs(__ballot_sync(0xffffffffu, above == K - 1)) - 1);
-    int cnt = 0;  // this lane's entries >= T: the first cnt of its list
+    int cnt = 0;  // this lane's entries >= T
 #pragma unroll
-    for (int i = 0; i < P2; ++i) cnt += entry(i) >= bound;
+    for (int i = 0; i < EPL; ++i) cnt += ent[i] >= bound;
     int off = cnt;  // inclusive scan over the lanes
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int o = __shfl_up_sync(0xffffffffu, off, d);
       if (lane >= d) off += o;
     }
-    total = __shfl_sync(0xffffffffu, off, 31);
+    const int total = __shfl_sync(0xffffffffu, off, 31);
     off -= cnt;
     if (total <= 32) {
 #pragma unroll
-      for (int i = 0; i < P2; ++i)
-        if (i < cnt) {
-          s_cand[off + i] = entry(i);
-          if (R::CORR_BIAS) s_cscore[off + i] = cs[i];
+      for (int i = 0; i < EPL; ++i)
+        if (ent[i] >= bound) {
+          s_cand[off] = ent[i];
+          if (R::CORR_BIAS) s_cscore[off] = v[i];
+          ++off;
         }
       __syncwarp();
       if (lane < total) {
@@ -1718,9 +1696,58 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
           s_pick[r] = R::CORR_BIAS ? s_cscore[lane] : key_value((u32)(me >> 32));
         }
       }
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < K; ++j) {
+        const unsigned long long mine = lane_max();  // (a chosen entry is 0: below every expert's)
+        const u32 khi = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32));
+        const u32 klo = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32) == khi ? (u32)mine : 0u);
+        const unsigned long long best = (unsigned long long)khi << 32 | klo;
+        const int e = (int)(0xffffffffu - klo);
+        if (lane == e / EPL) {
+#pragma unroll
+          for (int i = 0; i < EPL; ++i)
+            if (ent[i] == best) {
+              ids[j] = e;
+              s_pick[j] = R::CORR_BIAS ? v[i] : key_value(khi);  // (without a bias the value is the score)
+              ent[i] = 0ull;
+            }
+        }
+      }
     }
-  }
-  if (total > 32) {
+  } else {
+    u32 ck[P2];
+    int ci[P2];
+    float cs[R::CORR_BIAS ? P2 : 1];  // the scores, where the selection values are not (a correction bias)
+#pragma unroll
+    for (int i = 0; i < P2; ++i) {
+      ck[i] = i < EPL ? order_key(sel[i]) : 0u;
+      ci[i] = i;
+      if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
+    }
+#pragma unroll
+    for (int size = 2; size <= P2; size *= 2)
+#pragma unroll
+      for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+        for (int i = 0; i < P2; ++i) {
+          const int o = i ^ stride;
+          if (o > i) {  // i's pair: descending where i & size is 0, ascending elsewhere (selects, no branches)
+            const bool o_first = ck[o] > ck[i] || (ck[o] == ck[i] && ci[o] < ci[i]);
+            const bool sw = o_first == ((i & size) == 0);
+            const u32 ki = ck[i], ko = ck[o];
+            const int si = ci[i], so = ci[o];
+            ck[i] = sw ? ko : ki;
+            ck[o] = sw ? ki : ko;
+            ci[i] = sw ? so : si;
+            ci[o] = sw ? si : so;
+            if (R::CORR_BIAS) {
+              const float fi = cs[i], fo = cs[o];
+              cs[i] = sw ? fo : fi;
+              cs[o] = sw ? fi : fo;
+            }
+          }
+        }
 #pragma unroll 1
     for (int j = 0; j < K; ++j) {
       const u32 kmax = __reduce_max_sync(0xffffffffu, ck[0]);
