@@ -2053,18 +2053,23 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
                                  : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
   };
-  // this block's output rows rb: every operand
-  auto request = [&](int rb) {
+  // The shared expert's pieces of this block's first output rows do not depend on the route
+  // (EARLY): asked for before it, by the thread that fenced the shared tensor map (or the last
+  // warp's lane 1), while the memory is idle; request() then leaves them out of that first group.
+  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE);
+  // this block's output rows rb: every operand (first: the block's first group, EARLY's asked for)
+  auto request = [&](int rb, bool first) {
     const int group = rb / TPB, mt = rb % TPB;
+    const bool skip = EARLY && first;  // operand K's pieces, asked for already
     if (SPREAD) {
       if (warp < DSLOTS) {
-        if (lane == 0) one(rb, warp);
+        if (lane == 0 && !(skip && warp == K)) one(rb, warp);
         if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
       }
       if (FP8) cp_async_commit();
     } else if (warp == 0) {
       if (TMAP || WHOLE) {
-        if (lane < DSLOTS) one(rb, lane);
+        if (lane < DSLOTS && !(skip && lane == K)) one(rb, lane);
       } else {
         if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
         __syncwarp();
@@ -2142,7 +2147,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
   // (the asking thread waits while the copy engine takes the request).
   if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
-    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = (size_t)(H / 16) * KCDS * P16;  // uint4
+    // (EARLY: each block copies its own rows of the shared down weights instead, below)
+    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = EARLY ? 0 : (size_t)(H / 16) * KCDS * P16;  // uint4
     const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
     if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
     if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
@@ -2155,6 +2161,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (TAGS) {
     if (threadIdx.x == 0) s_ep = word + 1;
     __syncthreads();
+    // (after the block's barrier: the mbarriers' initialization is seen by the copy's thread)
+    if (EARLY && warp == WARPS - 1 && lane == 1 && (int)blockIdx.x < H / 16) one(blockIdx.x, K);
     // this block has read the epoch (the value was used above): count it, for block 0's advance
     if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(epoch + 1) : "memory");
   } else {
@@ -2191,7 +2199,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                                                                            s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
-        if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+        if ((int)blockIdx.x < H / 16) request(blockIdx.x, true);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
@@ -2215,7 +2223,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
   // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
-  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x);
+  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x, true);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2419,7 +2427,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
-      request(rb);
+      request(rb, false);
       if (FP8) {
         cp_async_wait<0>();
         __syncthreads();
