@@ -2055,12 +2055,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   };
   // The shared expert's pieces of this block's first output rows do not depend on the route
   // (EARLY): asked for before it, by the thread that fenced the shared tensor map (or the last
-  // warp's lane 1), while the memory is idle; request() then leaves them out of that first group.
+  // warp's lane 1), while the memory is idle; request() then leaves them out of that group.
   constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE);
-  // this block's output rows rb: every operand (first: the block's first group, EARLY's asked for)
-  auto request = [&](int rb, bool first) {
+  // this block's output rows rb: every operand
+  auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
-    const bool skip = EARLY && first;  // operand K's pieces, asked for already
+    const bool skip = EARLY && rb == (int)blockIdx.x;  // operand K's pieces, asked for already
     if (SPREAD) {
       if (warp < DSLOTS) {
         if (lane == 0 && !(skip && warp == K)) one(rb, warp);
@@ -2199,7 +2199,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                                                                            s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
-        if ((int)blockIdx.x < H / 16) request(blockIdx.x, true);
+        if ((int)blockIdx.x < H / 16) request(blockIdx.x);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
@@ -2223,7 +2223,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
   // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
-  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x, true);
+  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2427,7 +2427,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
-      request(rb, false);
+      request(rb);
       if (FP8) {
         cp_async_wait<0>();
         __syncthreads();
