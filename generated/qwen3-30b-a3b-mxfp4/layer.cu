@@ -2383,7 +2383,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
-  // memory by the whole block: (TAGS) loaded until every one carries this call's epoch, or copied
+  // memory by the whole block: (TAGS) loaded until every one carries this call's epoch (each
+  // thread reading again only its quads that did not), or copied
   // from L2 (other blocks wrote them, before the barrier).
   if ((int)blockIdx.x < H / 16) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
@@ -2392,20 +2393,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       const u32 want = ep & 0xffffu;
       if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
       if (OVERLAP && warp == 0) route_weights<K, RouteRule>(s_pick, s_all, s_w);
+      bool done[PER];  // this thread's quads that carry the epoch (staged): not read again
+#pragma unroll
+      for (int i = 0; i < PER; ++i) done[i] = (int)threadIdx.x + i * THREADS >= NACT / 4;
       for (;;) {
         bool stale = false;
         uint4 q[PER];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const int v = (int)threadIdx.x + i * THREADS;
-          if (v < NACT / 4) q[i] = ld_tagged4(tact + 4 * v);
-        }
+        for (int i = 0; i < PER; ++i)
+          if (!done[i]) q[i] = ld_tagged4(tact + 4 * ((int)threadIdx.x + i * THREADS));
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-          const int v = (int)threadIdx.x + i * THREADS;
-          if (v < NACT / 4) {
-            stale |= (q[i].x >> 16) != want || (q[i].y >> 16) != want || (q[i].z >> 16) != want || (q[i].w >> 16) != want;
-            *reinterpret_cast<uint2*>(s_act + 4 * v) =
+          if (!done[i]) {
+            done[i] = (q[i].x >> 16) == want && (q[i].y >> 16) == want && (q[i].z >> 16) == want && (q[i].w >> 16) == want;
+            stale |= !done[i];
+            *reinterpret_cast<uint2*>(s_act + 4 * ((int)threadIdx.x + i * THREADS)) =
                 make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
           }
         }
@@ -2434,14 +2436,15 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
     // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c): its
-    // products DG operands at a time, unrolled, each operand its own accumulator, so that the loads
-    // of one overlap the products of the others (a loop over the operands waited on each one's
-    // loads and products in turn: shared memory's latency, not its bandwidth, bounded it). Each
-    // operand's pieces are waited for just before its loads, so that the products of the operands
-    // that have landed can run while the others land.
-    // operands a group: 8 or fewer in groups of 4 unless exactly 8, more in two halves (the
-    // accumulators and loads of one group in registers, no spills for the shapes compiled here)
-    constexpr int DG = DSLOTS == 8 ? 8 : DSLOTS <= 8 ? (DSLOTS < 4 ? DSLOTS : 4) : (DSLOTS + 1) / 2;
+    // products DG operands at a time, each operand its own accumulator. Each operand's pieces are
+    // waited for just before its loads (by then they have landed: the copies end with gate/up's
+    // loads, before the activations arrive). BF16 and FP8 take one operand at a time, FP4 two (its
+    // pieces are half the bytes): measured on the H200 (2026-11-30, N = 1, in one process, the same
+    // bits; with the re-reads of stale activations only, above) against the groups of 4 to 8
+    // operands unrolled before, Qwen3-Next-80B-A3B 26.73 ->
+    // 26.10 us, Qwen3-30B-A3B 26.44 -> 26.11, Qwen3-30B-A3B-NVFP4 21.21 -> 20.80 (one at a time:
+    // 21.36), Qwen3-30B-A3B-FP8 19.55 -> 19.50.
+    constexpr int DG = FP4 ? (DSLOTS < 2 ? DSLOTS : 2) : 1;
     const int mt = rb % TPB;  // FP4: this block's tile of the row group
 #pragma unroll 1
     for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
