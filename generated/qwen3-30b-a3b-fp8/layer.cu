@@ -1424,7 +1424,8 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // grid of one block per multiprocessor, all resident (a cooperative launch):
 //
 //   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
-//      shared expert's weights asked for into L2 meanwhile (they do not depend on the route);
+//      shared expert's weights asked for into L2 meanwhile, or (warp 0's route) while warp 0
+//      routes (they do not depend on the route);
 //   -- every block waits for all of them --
 //   2. every block routes the token itself (into its shared memory; with route_one's rules the
 //      whole block at once, route_block), then asks the copy engine for its whole share of the
@@ -2091,6 +2092,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       }
     }
   };
+  // The shared expert's weights do not depend on the route: every block asks for its share of
+  // them (gate/up, down) into L2 while the memory is idle (the asking thread waits while the copy
+  // engine takes the request): with warp 0's route (OVERLAP) once the logits are staged, by a
+  // thread that does not route; otherwise while the block waits for the logits. (Asked for before
+  // the logits were staged, the requests delayed them: Qwen3-Next-80B-A3B N = 1 26.11 -> 25.70 us
+  // after them, H200, 2026-11-30, in one process, the same bits.)
+  auto shared_to_l2 = [&]() {
+    if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
+      // (EARLY: each block copies its own rows of the shared down weights instead, below)
+      constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = EARLY ? 0 : (size_t)(H / 16) * KCDS * P16;  // uint4
+      const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
+      if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
+      if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
+    }
+  };
   // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
   // The first unit's weights are read before the wait: they do not depend on the kernel before.
   uint4 ra[RC][2];
@@ -2143,16 +2159,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  // The shared expert's weights do not depend on the route: every block asks for its share of
-  // them (gate/up, down) into L2 now, while the block waits for the logits and the memory is idle
-  // (the asking thread waits while the copy engine takes the request).
-  if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
-    // (EARLY: each block copies its own rows of the shared down weights instead, below)
-    constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = EARLY ? 0 : (size_t)(H / 16) * KCDS * P16;  // uint4
-    const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
-    if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
-    if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
-  }
+  if (!OVERLAP) shared_to_l2();
   // TMAP: the maps (written before the launch) as the tensor copies will see them, fenced by the
   // last warp while the block waits for the logits (the fence waits about a round trip)
   if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
@@ -2193,6 +2200,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       __nanosleep(64);
     }
   }
+  if (OVERLAP) shared_to_l2();  // (warp 0 routes meanwhile)
   if constexpr (ONE_RULES) {
     if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
