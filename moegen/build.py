@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
-import numpy as np
 
 from . import __version__
 from .families import Tuning
@@ -77,7 +76,11 @@ def manifest_text(spec: Spec, plan: Plan, compiled: Compiled) -> str:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    """Bytes of a workspace buffer: its dtype is a numpy name ending in its bits (float32, uint16)."""
+    bits = dtype[len(dtype.rstrip("0123456789")):]
+    if not bits:
+        raise ValueError(f"workspace dtype {dtype!r}: no width in its name")
+    return math.prod(shape) * int(bits) // 8
 
 
 def tuning_path(out_root: str | Path, name: str) -> Path:

@@ -7,13 +7,12 @@ import sys
 
 from . import __version__
 from .build import BuildError, build
-from .checkpoint import CheckpointError
 from .hf import HFError
 from .nvrtc import CacheError, CompileError
 from .plan import PlanError
 from .spec import SpecError
 
-_USER_ERRORS = (SpecError, PlanError, CompileError, CacheError, BuildError, HFError, CheckpointError)
+_USER_ERRORS = (SpecError, PlanError, CompileError, CacheError, BuildError, HFError)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -172,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (*_USER_ERRORS, BenchError, OSError) as exc:
+    except Exception as exc:
+        from .checkpoint import CheckpointError  # (numpy with it: not imported by a build)
+
+        if not isinstance(exc, (*_USER_ERRORS, CheckpointError, BenchError, OSError)):
+            raise
         print(f"moegen: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 

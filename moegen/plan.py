@@ -200,7 +200,12 @@ class Plan:
 # activations the prefill GEMMs' ("+fp8a8", Qwen3-30B-A3B-FP8-a8); the down GEMMs as the analytic
 # plan has them, on row-group pairs (two accumulator sets a warp: 0.47 s against 0.26, FP8 0.31
 # against 0.19; remeasured the same way, 2026-11-30).
+# A gate/up or down kernel with the shared expert's tiles took 1.3-1.8 times its family's cost
+# (Qwen1.5-MoE-A2.7B, DeepSeek-V2-Lite, Qwen2-57B-A14B, Qwen3-Next-80B-A3B, DeepSeek-V3-FP8-a8, each
+# kernel alone, 2026-11-30), and the shared expert's prefill GEMMs as much as the routed ones; both
+# were dealt at the default 0.1 or their family's before.
 COMPILE_PARTS = 2
+SHARED_COST = 1.45
 COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.31, "expert": 0.30, "prefill_gemm_down": 0.47,
                 "router+route": 0.23, "router": 0.11, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06,
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
@@ -212,11 +217,16 @@ COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.31, "expert": 0.30, "p
 def compile_cost(k: Kernel) -> float:
     """COMPILE_COST of a kernel: its family's, a router whose last block routes (its name carries the
     route) as "router+route", a kernel on FP8 block weights (its name says so: "fp8", or "fp8a8" with
-    FP8 activations) as "<family>+fp8" or "<family>+fp8a8" where that is listed."""
+    FP8 activations) as "<family>+fp8" or "<family>+fp8a8" where that is listed; the shared expert's
+    prefill GEMMs as the routed ones; gate/up and down with a shared expert's tiles beside the
+    routed ones (their names carry "si<width>") SHARED_COST times their family's."""
     fused = k.family == "router" and "_route_" in k.name
+    family = k.family.removesuffix("_shared")
     tokens = k.name.split("_")
-    fmt = next((f for f in ("fp8a8", "fp8") if f in tokens and f"{k.family}+{f}" in COMPILE_COST), "")
-    return COMPILE_COST.get(k.family + (f"+{fmt}" if fmt else "+route" if fused else ""), 0.1)
+    fmt = next((f for f in ("fp8a8", "fp8") if f in tokens and f"{family}+{f}" in COMPILE_COST), "")
+    cost = COMPILE_COST.get(family + (f"+{fmt}" if fmt else "+route" if fused else ""), 0.1)
+    shared = any(t.startswith("si") and t[2:].isdigit() for t in tokens)
+    return cost * SHARED_COST if family in ("gate_up", "down") and shared else cost
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:

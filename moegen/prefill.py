@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .render import env
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a build does not need it
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -182,11 +184,13 @@ def k_permutation() -> np.ndarray:
     in which the GEMV tiles (moegen.weights.pack_tiles) put a row's K into the A fragments of
     the chunk's two k-steps: k-step s, fragment position p (k 0-15 of the m16n8k16 step) holds
     column 8*(p%8//2) + 4s + p%2 (+2 for p >= 8)."""
+    import numpy as np
     return np.array([8 * (p % 8 // 2) + 4 * s + p % 2 + (2 if p >= 8 else 0) for s in range(2) for p in range(16)])
 
 
 def permute_k(x: np.ndarray) -> np.ndarray:
     """X' from X [..., K] (K a multiple of 32): every 32-wide chunk in k_permutation() order."""
+    import numpy as np
     k = x.shape[-1]
     if k % 32:
         raise ValueError(f"K={k} is not a multiple of 32")
@@ -198,6 +202,7 @@ def group_by_expert(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarr
     """Routing ids [N, k] -> (tok [N*k] int32: the token of each permuted row, grouped by expert
     and in token order within an expert; slot [N*k] int32: the permuted row of each (token, slot)
     pair, flattened; counts [E] int64)."""
+    import numpy as np
     ids = np.asarray(ids)
     flat = ids.reshape(-1)
     if flat.size and (flat.min() < 0 or flat.max() >= experts):
@@ -211,6 +216,7 @@ def group_by_expert(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarr
 
 def tile_table(counts: np.ndarray, bm: int) -> np.ndarray:
     """[tiles, 3] int32 (expert, first permuted row, rows): each expert's rows in BM-row tiles."""
+    import numpy as np
     rows, start = [], 0
     for e, c in enumerate(np.asarray(counts, np.int64)):
         rows += [(e, start + r, min(bm, int(c) - r)) for r in range(0, int(c), bm)]
@@ -254,6 +260,7 @@ class GroupedGemm:
 
     def __call__(self, x: int, tok: int, w: int, tile_table: int, y: int, n_tiles: int, n_out: int, k: int,
                  stream: object = None) -> None:
+        import numpy as np
         from cuda.core import LaunchConfig, launch
 
         from .runtime import _StreamRef, stream_handle
@@ -271,6 +278,7 @@ class GroupedGemm:
                 row_tiles: int, experts: int, stream: object = None) -> None:
         """h[p, i] = act(gate . x', up . x') for rows p of each tile (at most packed_rows rows a tile): w13 the GEMV tiles of gate and
         up ([E][row_tiles][K/32][2][2][32] 16-byte fragments, E = experts), x' from permute_k, h [P, inter] bf16."""
+        import numpy as np
         from cuda.core import LaunchConfig, launch
 
         from .runtime import _StreamRef, stream_handle
@@ -294,6 +302,7 @@ def bench_grouped_gemm(tokens: int, experts: int, top_k: int, n_out: int, k: int
     """One grouped GEMM (rows = tokens x top_k, uniformly routed) timed with CUDA events against
     torch._grouped_mm on the same grouped rows and weights: microseconds and TFLOP/s of each.
     Needs PyTorch with CUDA. Not a test: times are printed, never asserted."""
+    import numpy as np
     import torch
 
     gemm = GroupedGemm(tiles)
@@ -369,6 +378,7 @@ class PrefillExperts:
                  stream: object = None) -> None:
         """out [n, H] bf16 = sum_j wts[t, j] * expert_{ids[t, j]}(x[t]); x bf16 [n, H], ids int32 and
         wts fp32 [n, top_k], w13 / w2 the packed GEMV tiles, ws the workspace() buffers' addresses."""
+        import numpy as np
         from cuda.core import LaunchConfig, launch
 
         from .runtime import _StreamRef, stream_handle
@@ -405,6 +415,7 @@ def bench_prefill(spec_path: str, tokens: list[int], tiles: GemmTiles = GemmTile
     weights and routing (uniform random, distinct experts per token; routing itself not timed).
     TFLOP/s count 2 * N * k * 3 * H * I. CUDA-event times of back-to-back calls; printed, not
     asserted."""
+    import numpy as np
     import tempfile
     from pathlib import Path
 

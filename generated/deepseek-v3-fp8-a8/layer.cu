@@ -2128,7 +2128,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_act_quant_i2048k8_s2048_sm
 }
 #endif
 // down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
   down_body<64, 64, 1, 1, 4, 5, 5, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
@@ -2140,7 +2140,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt4
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts2_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 1, 2, 4, 5, 4, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
@@ -2158,13 +2158,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks1_nt4_
 }
 #endif
 // prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h7168_sm_90a(const bf16_t* __restrict__ x, unsigned char* __restrict__ xq, float* __restrict__ sx, int n) {
   prefill_quant_body(x, xq, sx, 7168, n);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 256, counts);
 }
@@ -2176,25 +2176,25 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r64_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 256, 8, counts, first, tok, slot);
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, true, true, true>(xp, tok, w13, tiles, h, 2048, 7168, 128, 256, n, 8, 256, s13, sx);
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn64_s4_ws_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx) {
   prefill_gemm<true, 2, false, true, true>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx);
 }
 #endif
 // prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER (routed, then the shared expert's)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i2048_k8_si2048_sm_90a(const bf16_t* __restrict__ h, unsigned char* __restrict__ hq, float* __restrict__ sa, const bf16_t* __restrict__ hs, unsigned char* __restrict__ hsq, float* __restrict__ sas, int n) {
   prefill_quant_body(h, hq, sa, 2048, n * 8, hs, hsq, sas, 2048, n);
 }

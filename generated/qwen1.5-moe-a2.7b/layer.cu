@@ -1522,7 +1522,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (5632); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt1_bf16_si5632_nts1_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 176, 1, 1, 4, 4, 4, 2, 64, 2048, 4, true, MOE_W_BF16, MOE_W_BF16, 60, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -1534,7 +1534,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 2, 4, 4, 4, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1546,7 +1546,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 4, 4, 4, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1558,7 +1558,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt2_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 4, 4, 4, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1570,7 +1570,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt3_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 3, 4, 4, 3, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1582,7 +1582,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt4_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }

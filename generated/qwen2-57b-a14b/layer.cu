@@ -2134,7 +2134,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 }
 #endif
 // down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt1_bf16_si20480_nts2_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 1, 2, 4, 4, 4, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2146,7 +2146,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 }
 #endif
 // down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt1_bf16_si20480_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 1, 4, 4, 4, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2158,7 +2158,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 }
 #endif
 // down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt2_bf16_si20480_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 2, 4, 4, 4, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2170,7 +2170,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt
 }
 #endif
 // down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt4_bf16_si20480_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 640, 4, 4, 4, 3, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -2182,7 +2182,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks1_nt4_n
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h3584_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 3584, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
@@ -2212,7 +2212,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e64_k8_h35
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e64_k8_h3584_i2560_bm128_bn128_s4_ws_pair_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true>(hp, nullptr, w2, tiles, y, 3584, 2560, 224, 64, n, 8, 64);
 }
@@ -2224,7 +2224,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_shared_h35
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h3584_i20480_bm128_bn128_s4_ws_pair_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true>(hp, nullptr, ws2, stiles, y, 3584, 20480, 224, 1, n, 1, 0);
 }
