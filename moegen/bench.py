@@ -261,6 +261,10 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
         need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
+        marginal = marginal_us(timer, stack, xs, ms * 1e3) if not plan.prefill_from or n <= _decode_max(plan) else 0.0
+        if marginal > 0:  # (the decode buckets: a prefill bucket's time dwarfs the replay's start)
+            row["us_marginal"] = marginal
+            row["roofline_fraction_marginal"] = need / bw / (marginal * 1e-6)
         if plan.prefill_from and n > _decode_max(plan):  # a prefill bucket: tensor-core throughput
             row["tflops"] = expert_flops(plan, n) / (ms * 1e-3) / 1e12
             if rate is None:
@@ -295,6 +299,15 @@ def time_stack(timer: _Timer, stack: list[Layer], xs: list[Any]) -> float:
     exe = timer.graph(lambda s: [layer(x, stream=s) for layer, x in zip(stack, xs)])
     timer.replay(exe)
     return timer.median_ms(lambda: timer.replay(exe), REPLAYS) / len(stack) * 1e3
+
+
+def marginal_us(timer: _Timer, stack: list[Layer], xs: list[Any], us: float) -> float:
+    """Microseconds one more layer adds: the stack replayed twice over in one graph (2L layers, each
+    layer's weights read again only after L - 1 others') against the stack once (`us` a layer), so
+    that the replay's own start (the graph launch, its first kernel's launch: about 6 us on the H200,
+    which `us` spreads over the L layers) drops out. A decode step's graph runs every layer of a
+    model, where that start is shared by dozens of layers."""
+    return 2 * time_stack(timer, stack + stack, xs + xs) - us
 
 
 def _can_compare(spec: Any) -> bool:
@@ -339,7 +352,8 @@ def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> di
 def _print(r: dict) -> None:
     print(f"{r['spec']} on {r['gpu']} ({r['sm_count']} SMs), {r['date']}: copy bandwidth "
           f"{r['copy_bandwidth_gbps']:.0f} GB/s, {r['layers_per_replay']} layers per graph replay")
-    print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9}  stages (us) / baselines")
+    print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9} {'+layer':>8} {'roofline':>9}"
+          "  stages (us) / baselines")
     for row in r["rows"]:
         st = " ".join(f"{k}={v:.1f}" for k, v in row.get("stages_us", {}).items())
         for name in ("torch_loop", "torch_grouped_mm"):
@@ -348,5 +362,7 @@ def _print(r: dict) -> None:
         if "tflops" in row:
             st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f})"
                                                     if "matrix_fraction" in row else "") + " " + st)
+        more = (f"{row['us_marginal']:>8.1f} {row['roofline_fraction_marginal']:>8.1%}" if "us_marginal" in row
+                else f"{'-':>8} {'-':>8}")
         print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
-              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%}  {st.strip()}")
+              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%} {more}  {st.strip()}")
