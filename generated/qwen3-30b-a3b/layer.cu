@@ -2392,8 +2392,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 
   // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
   // memory by the whole block: (TAGS) loaded until every one carries this call's epoch (each
-  // thread reading again only its quads that did not), or copied
-  // from L2 (other blocks wrote them, before the barrier).
+  // thread reading again only its quads that did not), or copied from L2 (other blocks wrote
+  // them, before the barrier).
   if ((int)blockIdx.x < H / 16) {
     if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
     if (TAGS) {
@@ -2445,13 +2445,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c): its
     // products DG operands at a time, each operand its own accumulator. Each operand's pieces are
-    // waited for just before its loads (by then they have landed: the copies end with gate/up's
-    // loads, before the activations arrive). BF16 and FP8 take one operand at a time, FP4 two (its
-    // pieces are half the bytes): measured on the H200 (2026-11-30, N = 1, in one process, the same
-    // bits; with the re-reads of stale activations only, above) against the groups of 4 to 8
-    // operands unrolled before, Qwen3-Next-80B-A3B 26.73 ->
-    // 26.10 us, Qwen3-30B-A3B 26.44 -> 26.11, Qwen3-30B-A3B-NVFP4 21.21 -> 20.80 (one at a time:
-    // 21.36), Qwen3-30B-A3B-FP8 19.55 -> 19.50.
+    // waited for just before its loads (the block's first row group's have landed by then: its
+    // copies end with gate/up's loads, before the activations arrive). BF16 and FP8 take one
+    // operand at a time, FP4 two (its pieces are half the bytes). Measured on the H200 (2026-11-30,
+    // N = 1, in one process, the same bits; with the re-reads of stale activations only, above)
+    // against the groups of 4 to 8 operands unrolled before: Qwen3-Next-80B-A3B 26.73 -> 26.10 us,
+    // Qwen3-30B-A3B 26.44 -> 26.11, Qwen3-30B-A3B-NVFP4 21.21 -> 20.80 (one at a time: 21.36),
+    // Qwen3-30B-A3B-FP8 19.55 -> 19.50.
     constexpr int DG = FP4 ? (DSLOTS < 2 ? DSLOTS : 2) : 1;
     const int mt = rb % TPB;  // FP4: this block's tile of the row group
 #pragma unroll 1
