@@ -367,26 +367,37 @@ def _gate_up(x: np.ndarray, weights: Weights, prefix: str, e: int | None, dims: 
     return g, u
 
 
-def _expert(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
+def expert_activation(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
+    """Routed expert e's activation of input rows x (float64: what its down projection is handed,
+    before any quantization of it)."""
     ex = spec.experts
     E, I, H = ex.count, ex.intermediate_size, spec.hidden_size
     act = ex.activation
-    fp8_tensor = ex.format.value == "fp8_tensor"
     if ex.fp8_activations:
         x = _fp8_quant(x)
-    g, u = _gate_up(x, weights, "experts", e, (E,), I, H, fp8_tensor)
+    g, u = _gate_up(x, weights, "experts", e, (E,), I, H, ex.format.value == "fp8_tensor")
     if ex.bias:
         g = g + _weight(weights, "experts.gate_proj_bias", (E, I), e)
         u = u + _weight(weights, "experts.up_proj_bias", (E, I), e)
-    h = _activate(act.kind, g, u, act.limit, act.alpha)
+    return _activate(act.kind, g, u, act.limit, act.alpha)
+
+
+def expert_down(spec: Spec, weights: Weights, e: int, h: np.ndarray) -> np.ndarray:
+    """Routed expert e's down projection of activations h (its input quantized as the format says)."""
+    ex = spec.experts
+    E, I, H = ex.count, ex.intermediate_size, spec.hidden_size
     if ex.fp8_activations:
         h = _fp8_quant(_bf16(h))
-    if fp8_tensor:
+    if ex.format.value == "fp8_tensor":
         h = _static_fp8(_bf16(h), weights, "experts.down_proj", (E,), e)
     y = h @ _weight(weights, "experts.down_proj", (E, H, I), e).T
     if ex.bias:
         y = y + _weight(weights, "experts.down_proj_bias", (E, H), e)
     return y
+
+
+def _expert(spec: Spec, weights: Weights, e: int, x: np.ndarray) -> np.ndarray:
+    return expert_down(spec, weights, e, expert_activation(spec, weights, e, x))
 
 
 # Experts computed at once by the routed sum (threads: NumPy releases the GIL in its array work;
@@ -395,12 +406,17 @@ THREADS = min(8, os.cpu_count() or 1)
 
 
 def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np.ndarray,
-            threads: int | None = None) -> np.ndarray:
+            threads: int | None = None, h: np.ndarray | None = None) -> np.ndarray:
+    """The weighted sum of the chosen experts' outputs; with h ([N, k, I]), each (token, choice)'s
+    down projection takes h[token, choice] as its activation instead of computing it."""
     def one(e: int) -> tuple[np.ndarray, np.ndarray]:
         rows, slots = np.nonzero(ids == e)  # a token may list an expert twice (hash tables)
         w = rw[rows, slots][:, None]
         if e >= spec.experts.count:
             return rows, w * x[rows]  # zero (identity) expert: no GEMM
+        if h is not None:
+            y = expert_down(spec, weights, e, h[rows, slots])
+            return rows, y if spec.routing.weight_on_input else w * y
         if spec.routing.weight_on_input:
             return rows, _expert(spec, weights, e, w * x[rows])  # Llama-4: not multiplied again
         return rows, w * _expert(spec, weights, e, x[rows])
@@ -413,15 +429,23 @@ def _routed(spec: Spec, x: np.ndarray, weights: Weights, ids: np.ndarray, rw: np
     return out
 
 
-def _shared(spec: Spec, x: np.ndarray, weights: Weights) -> np.ndarray:
+def shared_activation(spec: Spec, x: np.ndarray, weights: Weights) -> np.ndarray:
+    """The shared expert's activation of input rows x (float64, before any quantization of it)."""
     s, act, H = spec.shared_expert, spec.experts.activation, spec.hidden_size
-    fp8_tensor = s.format.value == "fp8_tensor"
     a8 = spec.experts.fp8_activations and s.format.value == "fp8_block"
-    g, u = _gate_up(_fp8_quant(x) if a8 else x, weights, "shared_expert", None, (), s.intermediate_size, H, fp8_tensor)
-    h = _activate(act.kind, g, u, act.limit if s.clamp else None, act.alpha)
-    if a8:
+    g, u = _gate_up(_fp8_quant(x) if a8 else x, weights, "shared_expert", None, (), s.intermediate_size, H,
+                    s.format.value == "fp8_tensor")
+    return _activate(act.kind, g, u, act.limit if s.clamp else None, act.alpha)
+
+
+def _shared(spec: Spec, x: np.ndarray, weights: Weights, h: np.ndarray | None = None) -> np.ndarray:
+    """The shared expert's output for input rows x; with h, from those activations."""
+    s, H = spec.shared_expert, spec.hidden_size
+    if h is None:
+        h = shared_activation(spec, x, weights)
+    if spec.experts.fp8_activations and s.format.value == "fp8_block":
         h = _fp8_quant(_bf16(h))
-    if fp8_tensor:
+    if s.format.value == "fp8_tensor":
         h = _static_fp8(_bf16(h), weights, "shared_expert.down_proj", (), None)
     y = h @ _weight(weights, "shared_expert.down_proj", (H, s.intermediate_size)).T
     if s.gate == "sigmoid":  # Qwen: sigmoid(Linear h -> 1, no bias) scales the shared output
@@ -451,4 +475,28 @@ def moe_forward(
     out = _routed(spec, xe, weights, ids, rw)
     if spec.shared_expert is not None:
         out = out + _shared(spec, xe, weights)
+    return out
+
+
+def moe_forward_from_activations(
+    spec: Spec,
+    x: np.ndarray,
+    weights: Weights,
+    ids: np.ndarray,
+    h: np.ndarray,
+    h_shared: np.ndarray | None = None,
+    token_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """moe_forward routed to `ids`, with each down projection handed given activations: h [N, k, I]
+    per (token, choice), h_shared [N, I_shared]; the routing weights and everything after the
+    activations as moe_forward computes them."""
+    x = _input(x, spec)
+    ids = _ids(spec, ids, len(x))
+    rw = routing_weights_for(spec, x, weights, ids, token_ids)
+    xe = x
+    if spec.pre_expert_norm is not None:
+        xe = _rms_norm(x, _weight(weights, "pre_expert_norm.weight", (spec.hidden_size,)), spec.pre_expert_norm.eps)
+    out = _routed(spec, xe, weights, ids, rw, h=np.asarray(h, np.float64))
+    if spec.shared_expert is not None:
+        out = out + _shared(spec, xe, weights, None if h_shared is None else np.asarray(h_shared, np.float64))
     return out

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from test_features import BASE, CASES
-from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights, row_tol
+from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights, check_rows_fp8_act, kernel_activations, row_tol
 
 from moegen import reference
 from moegen.build import render_all, write_dir
@@ -44,6 +44,7 @@ def _check_counts(case, spec, plan, layer, host, torch, counts=(1, 7, 64)) -> No
         tid = torch.randint(0, spec.routing.hash_vocab_size or 1, (n,), device="cuda", dtype=torch.int32)
         out = torch.full_like(x, float("nan"))
         layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=tid if hashed else None)
+        acts = kernel_activations(layer, spec, n, torch)
         ids, w = layer.routing(n)
         xh, tids = _host(x), tid.cpu().numpy() if hashed else None
         r = reference.route(spec, xh, host, token_ids=tids)
@@ -55,7 +56,8 @@ def _check_counts(case, spec, plan, layer, host, torch, counts=(1, 7, 64)) -> No
         tol = 1e-5 + (1e-4 + 2 * slack[:, None]) * np.abs(rw)
         assert (np.abs(w - rw) <= tol).all(), f"{case} N={n}: routing weights differ"
         ref = reference.moe_forward(spec, xh, host, token_ids=tids, ids=ids.astype(np.int64))
-        _check_rows(_host(out).astype(np.float64), ref, f"{case} N={n}", row_tol(spec))
+        check_rows_fp8_act(_host(out).astype(np.float64), ref, f"{case} N={n}", row_tol(spec), spec, host, xh,
+                           ids.astype(np.int64), acts)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b", "gpt-oss-20b"])

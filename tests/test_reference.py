@@ -586,6 +586,36 @@ def test_fp8_activations_reach_an_fp8_shared_expert():
     np.testing.assert_allclose(got_plain, [shared(xt) for xt in f64(x)], rtol=1e-9, atol=1e-9)
 
 
+def test_forward_from_activations():
+    """moe_forward_from_activations, handed the activations the reference computes itself
+    (expert_activation and shared_activation per token and choice), gives moe_forward's output; a
+    changed activation of one (token, choice) changes that token's row only, by that choice's
+    weight times the down projection of the change (no FP8: linear)."""
+    rng = np.random.default_rng()
+    kw = {"hidden": 256, "count": 8, "top_k": 2, "inter": 128}
+    specs = (make_spec(**kw, experts={"format": "fp8_block", "fp8_activations": True},
+                       shared_expert={"intermediate_size": 128, "format": "fp8_block"}),
+             make_spec(**kw, shared_expert={"intermediate_size": 128, "gate": "sigmoid"}))
+    for spec in specs:
+        w, x = make_weights(rng, spec), make_x(rng, 5, spec)
+        ids = ref.route(spec, x, w).ids
+        xe = f64(x)
+        h = np.stack([np.stack([ref.expert_activation(spec, w, int(e), xe[t:t + 1])[0] for e in ids[t]])
+                      for t in range(len(x))])
+        hs = ref.shared_activation(spec, xe, w)
+        want = ref.moe_forward(spec, x, w, ids=ids)
+        got = ref.moe_forward_from_activations(spec, x, w, ids, h, hs)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        if not spec.experts.fp8_activations:
+            d = rng.standard_normal(h.shape[-1])
+            h2 = h.copy()
+            h2[3, 1] += d
+            moved = ref.moe_forward_from_activations(spec, x, w, ids, h2, hs) - got
+            rw = ref.routing_weights_for(spec, x, w, ids)
+            np.testing.assert_allclose(np.delete(moved, 3, axis=0), 0.0, atol=1e-12)
+            np.testing.assert_allclose(moved[3], rw[3, 1] * (f64(w["experts.down_proj"][ids[3, 1]]) @ d), rtol=1e-9, atol=1e-9)
+
+
 def test_fp8_per_tensor_static_input_quantization():
     """Format d: each GEMM input (routed and shared, gate, up and down each with its own scale) is
     e4m3(x / input_scale) with x / s in float32, clamped to +-448, and the product is multiplied
