@@ -19,6 +19,7 @@ import pytest
 from conftest import SPECS
 
 from moegen import reference
+from rowcheck import ROW_TOL, ROW_TOL_FP8_ACT, _check_rows, check_rows_fp8_act, row_tol  # noqa: F401
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
 from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
@@ -29,21 +30,7 @@ from moegen.weights import tensors
 
 pytestmark = pytest.mark.gpu
 
-ROW_TOL = 1e-2  # DESIGN.md: per-row ||out - ref|| / ||ref|| for bf16 outputs
-# DESIGN.md: per row where activations are quantized to FP8 and the reference emulates it (a
-# bf16 rounding of an activation that differs moves its block's scale and so its neighbours' codes)
-ROW_TOL_FP8_ACT = 2e-2
-
-
-def row_tol(spec: Any) -> float:
-    """The per-row tolerance of a spec's outputs: ROW_TOL_FP8_ACT where its GEMMs quantize their
-    inputs to FP8 (FP8 activations of block weights, FP8 per-tensor's static input scales)."""
-    fmts = {spec.experts.format.value, *((spec.shared_expert.format.value,) if spec.shared_expert else ())}
-    return ROW_TOL_FP8_ACT if spec.experts.fp8_activations or "fp8_tensor" in fmts else ROW_TOL
 TIE_TOL = 1e-4  # selection values closer than this are a near-tie for fp32 routing
-# FP8 activations: per (token, choice) ||h - h_ref|| / ||h_ref|| of the activations a kernel hands
-# its down projection (the FP8 GEMMs' QGMMA sums are less precise than fp32 products)
-ACT_TOL = 1e-2
 
 
 @dataclass
@@ -215,15 +202,6 @@ def _run(case: Case, x: Any, torch: Any) -> Any:
     return out
 
 
-def _check_rows(got: np.ndarray, ref: np.ndarray, what: str, tol: float = ROW_TOL) -> float:
-    assert not np.isnan(got).any(), f"{what}: NaN in the output (an element was not written?)"
-    assert np.isfinite(got).all(), f"{what}: Inf in the output"
-    err = np.linalg.norm(got - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
-    worst = int(np.argmax(err))
-    assert err[worst] <= tol, f"{what}: row {worst} relative error {err[worst]:.3e} > {tol}"
-    return float(err.max())
-
-
 def kernel_activations(layer: Layer, spec: Spec, n: int, torch: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
     """With FP8 activations, the activations the layer's last call (n tokens) handed its down
     projections, from its workspace: [n, k, I] per (token, choice) (row pair_pos[t, j] of act) and
@@ -247,38 +225,6 @@ def kernel_activations(layer: Layer, spec: Spec, n: int, torch: Any) -> tuple[np
     h = bf16(fetch("act", (int(pos.max()) + 1, i), np.uint16))[pos]
     si = spec.shared_expert.intermediate_size if spec.shared_expert else 0
     return h, (bf16(fetch("act_s", (n, si), np.uint16)) if si else None)
-
-
-def check_rows_fp8_act(got: np.ndarray, ref: np.ndarray, what: str, tol: float, spec: Spec, host: Any,
-                       x: np.ndarray, ids: np.ndarray, acts: tuple[np.ndarray, np.ndarray | None] | None) -> None:
-    """_check_rows, with the near-ties of FP8 activations resolved toward the kernel, as the routing
-    check does for near-tied scores: a row over tol whose activations (acts, as the kernel handed
-    them to its down projections) are each within ACT_TOL of the reference's is checked against the
-    reference's down projections of those activations instead. (Where the FP8 GEMMs' activations
-    round to bf16 one step away from the reference's on a block's largest, that block's scale and
-    codes change, 1-3% of the row.) Every other row is checked as _check_rows does."""
-    err = np.linalg.norm(got - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
-    bad = np.nonzero(err > tol)[0]
-    if acts is None or bad.size == 0 or spec.pre_expert_norm is not None:
-        _check_rows(got, ref, what, tol)
-        return
-    h, hs = acts
-    xb = np.asarray(x, np.float64)[bad]
-
-    def rel(a: np.ndarray, b: np.ndarray) -> float:
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-    for r, t in enumerate(bad):
-        for j, e in enumerate(ids[t]):
-            if e < spec.experts.count:
-                d = rel(h[t, j], reference.expert_activation(spec, host, int(e), xb[r:r + 1])[0])
-                assert d <= ACT_TOL, f"{what}: row {t}, choice {j} (expert {e}): activations off by {d:.3e} > {ACT_TOL}"
-        if hs is not None:
-            d = rel(hs[t], reference.shared_activation(spec, xb[r:r + 1], host)[0])
-            assert d <= ACT_TOL, f"{what}: row {t}: the shared expert's activations off by {d:.3e} > {ACT_TOL}"
-    again = reference.moe_forward_from_activations(spec, xb, host, ids[bad], h[bad], None if hs is None else hs[bad])
-    _check_rows(got[bad], again, f"{what} (rows {bad.tolist()[:8]}, from the kernel's activations)", tol)
-    _check_rows(np.delete(got, bad, axis=0), np.delete(ref, bad, axis=0), what, tol)
 
 
 def _prefill_ends(plan: Any) -> tuple[int, ...]:
