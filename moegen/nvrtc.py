@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import json
 import os
 import re

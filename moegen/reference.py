@@ -453,6 +453,13 @@ def _shared(spec: Spec, x: np.ndarray, weights: Weights, h: np.ndarray | None = 
     return y
 
 
+def _expert_input(spec: Spec, x: np.ndarray, weights: Weights) -> np.ndarray:
+    """The experts' input: x, or pre_expert_norm(x) (the router sees raw x, or its own norm)."""
+    if spec.pre_expert_norm is None:
+        return x
+    return _rms_norm(x, _weight(weights, "pre_expert_norm.weight", (spec.hidden_size,)), spec.pre_expert_norm.eps)
+
+
 def moe_forward(
     spec: Spec,
     x: np.ndarray,
@@ -468,10 +475,7 @@ def moe_forward(
     else:
         ids = _ids(spec, ids, len(x))
         rw = routing_weights_for(spec, x, weights, ids, token_ids)
-    xe = x  # the router sees raw x (or its own norm); experts see pre_expert_norm(x)
-    if spec.pre_expert_norm is not None:
-        norm_w = _weight(weights, "pre_expert_norm.weight", (spec.hidden_size,))
-        xe = _rms_norm(x, norm_w, spec.pre_expert_norm.eps)
+    xe = _expert_input(spec, x, weights)
     out = _routed(spec, xe, weights, ids, rw)
     if spec.shared_expert is not None:
         out = out + _shared(spec, xe, weights)
@@ -493,9 +497,7 @@ def moe_forward_from_activations(
     x = _input(x, spec)
     ids = _ids(spec, ids, len(x))
     rw = routing_weights_for(spec, x, weights, ids, token_ids)
-    xe = x
-    if spec.pre_expert_norm is not None:
-        xe = _rms_norm(x, _weight(weights, "pre_expert_norm.weight", (spec.hidden_size,)), spec.pre_expert_norm.eps)
+    xe = _expert_input(spec, x, weights)
     out = _routed(spec, xe, weights, ids, rw, h=np.asarray(h, np.float64))
     if spec.shared_expert is not None:
         out = out + _shared(spec, xe, weights, None if h_shared is None else np.asarray(h_shared, np.float64))

@@ -17,9 +17,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import SPECS
+from rowcheck import ROW_TOL, ROW_TOL_FP8_ACT, _check_rows, check_rows_fp8_act, row_tol  # noqa: F401
 
 from moegen import reference
-from rowcheck import ROW_TOL, ROW_TOL_FP8_ACT, _check_rows, check_rows_fp8_act, row_tol  # noqa: F401
 from moegen.arrays import ArrayError
 from moegen.build import render_all, write_dir
 from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
@@ -218,7 +218,7 @@ def kernel_activations(layer: Layer, spec: Spec, n: int, torch: Any) -> tuple[np
         return a
 
     def bf16(a: np.ndarray) -> np.ndarray:
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return a.view(ml_dtypes.bfloat16).astype(np.float64)
 
     k, i = spec.experts.top_k, spec.experts.intermediate_size
     pos = fetch("pair_pos", (n, k), np.int32)
