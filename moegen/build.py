@@ -103,7 +103,9 @@ def read_tuning(out_root: str | Path, name: str) -> Tuning | None:
             v = d[f.name]
             if isinstance(f.default, bool) and not isinstance(v, bool):
                 raise TypeError(f"{f.name} is {v!r}, not true or false")
-            values[f.name] = v if isinstance(f.default, bool) else int(v)
+            if f.default is None and v is not None and not isinstance(v, bool):  # on, off, or where it applies
+                raise TypeError(f"{f.name} is {v!r}, not true, false or null")
+            values[f.name] = v if isinstance(f.default, bool) or f.default is None else int(v)
         return Tuning(**values)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BuildError(f"{p}: not a tuning file ({exc}); expected {{\"warps\": 4, \"down_tiles\": 2, ...}} "

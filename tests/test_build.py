@@ -676,6 +676,26 @@ def test_a_tuning_file_revises_the_build(tmp_path: Path, monkeypatch: pytest.Mon
         build(QWEN, out)
 
 
+def test_a_tuning_file_keeps_a_three_way_choice(tmp_path: Path):
+    """A choice whose analytic value is None (on where it applies) reads back as written: false
+    turns it off (as an integer 0 it would have read as "set", and stayed on), null leaves it to
+    the plan, anything else is an error naming it."""
+    from moegen.build import read_tuning
+
+    name = load_spec(QWEN).name
+    path = tmp_path / f"{name}.tuning.json"
+    for value in (False, True, None):
+        path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": value}))
+        assert read_tuning(tmp_path, name).single_tmap is value
+    maps = {False: 0, None: 1}  # one tensor map over the routed down weights where the copies use them
+    for value, count in maps.items():
+        path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": value}))
+        assert len(make_plan(load_spec(QWEN), tuning=read_tuning(tmp_path, name)).tensor_maps) == count
+    path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": 0}))
+    with pytest.raises(BuildError, match="single_tmap is 0, not true, false or null"):
+        read_tuning(tmp_path, name)
+
+
 def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
     """The analytic plan keeps gate/up then down; a tuning (fused=N) runs router, fused expert
     (clusters of 2) and combine for the buckets up to N whose partial sums stay within the L2
