@@ -157,6 +157,39 @@ def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, rou
         layer.close()
 
 
+@pytest.mark.parametrize("name,distinct,n", [(m, d, n) for m in ("qwen3-30b-a3b", "qwen3-next-80b-a3b")
+                                              for d in (1, 5) for n in (2, 7, 64)])
+def test_route_breaks_exact_ties_as_the_reference(name, distinct, n, tmp_path):
+    """Router rows repeated as above, for the buckets past one token: the router's last block
+    routing N <= 8 tokens and the route kernel past it (a warp a token, route_one's rules): every
+    token's choices equal the reference's in order, and the output matches the reference on them."""
+    import torch
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    rows = torch.arange(plan.experts, device="cuda") % distinct
+    dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
+    host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        out = torch.full_like(x, float("nan"))
+        layer(x, out=out, stream=torch.cuda.current_stream())
+        ids, w = layer.routing(n)
+        xh = _host(x)
+        r = reference.route(spec, xh, host)
+        bad = np.flatnonzero((ids != r.ids).any(1))
+        assert not len(bad), f"{name} N={n}: token {bad[0]}'s choices {ids[bad[0]].tolist()}, the reference's {r.ids[bad[0]].tolist()}"
+        rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64))
+        assert np.allclose(w, rw, rtol=1e-4, atol=1e-6), f"{name} N={n}: routing weights differ"
+        _check_rows(_host(out).astype(np.float64), reference.moe_forward(spec, xh, host, ids=ids.astype(np.int64)),
+                    f"{name} N={n} ties of {distinct} rows")
+    finally:
+        layer.close()
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen1.5-moe-a2.7b"])
 def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
     """Prefill with a shared expert (one more GEMM pair over all tokens, its

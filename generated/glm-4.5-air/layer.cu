@@ -576,6 +576,283 @@ MOE_DEVICE float activate(float g, float u) {
 }
 
 // ---- route family: scores, top-k, weights, and the grouping of tokens by expert ----
+
+// The choices' weights, by one warp, from their scores (pick, in choice order): route_one's and
+// route_block's rules. all: (LOGIT_ORDER without RENORM) the sum over every expert of exp(l - the
+// largest l).
+template <int K, class R>
+MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  const int lane = threadIdx.x & 31;
+  const float my_v = lane < K ? pick[lane] : 0.0f;
+  float w = my_v;
+  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / (R::RENORM ? warp_sum(w) : all);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    const float top = __shfl_sync(0xffffffffu, my_v, 0);
+    w = lane < K ? expf(my_v - top) : 0.0f;
+    w = w / warp_sum(w);
+  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    w = 1.0f / (1.0f + expf(-my_v));
+  }
+  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
+  w *= R::SCALE;
+  if (lane < K) w_out[lane] = w;
+}
+
+// One expert's logit as the rule sees it (its router bias added, rounded to bf16 where the rule's
+// logits are), and its score where the score is a function of the logit alone (sigmoid,
+// sqrt-softplus; the logit itself otherwise: softmax scores need every expert).
+template <class R>
+MOE_DEVICE float route_logit(float s, const float* __restrict__ router_bias, int e) {
+  if (R::ROUTER_BIAS) s += router_bias[e];
+  return R::LOGITS_BF16 ? bf16_to_f32(f32_to_bf16(s)) : s;
+}
+template <class R>
+MOE_DEVICE float route_score(float s) {
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
+  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
+  return s;
+}
+
+// The route of one token by one warp (the one-token kernel's warp 0, route_body's warp a token),
+// for the rules without expert groups, hash tables, identity experts or SparseMixer: the k
+// largest selection values, equal values the lower expert (route_body's rounds for the others). Lane l holds experts
+// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts), sorted by selection value;
+// each round takes the warp's largest key and the lowest lane holding it (one reduction and one
+// ballot), and only that lane moves on in its list. The partial logits: part p at logits +
+// p * PSTRIDE, in global memory (read from L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
+// ids, w, gate (shared memory); s_cand and s_cscore: 32 candidates' room (shared memory, this warp's).
+// OVERLAP: once every choice is in ids, the warp calls after(), then every lane arrives on the
+// mbarrier `chosen` (the other warps, waiting on it, start streaming; each lane's arrival releases
+// its own writes of choices); the weights are left to route_weights (the choices' scores in pick;
+// LOGIT_ORDER without RENORM: the sum over every expert in *all). Otherwise the weights go to
+// w_out before it returns.
+template <int E, int K, int KSPLIT, size_t PSTRIDE, bool SMEM, bool SHARED_GATE, class R, bool OVERLAP, class After,
+          int BOUND_MIN = 8>
+MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bias,
+                          const float* __restrict__ router_bias, int* ids, float* s_pick, float* w_out, float* gate,
+                          float* all_out, u32 chosen, After after, unsigned long long* s_cand, float* s_cscore) {
+  constexpr int EPL = (E + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float v[EPL], sel[EPL];
+  float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) v[i] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < KSPLIT; ++p) {
+    const float* row = logits + (size_t)p * PSTRIDE + lane * EPL;
+    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts are contiguous
+#pragma unroll
+      for (int i = 0; i < EPL; i += 4) {
+        const float4 q = SMEM ? *reinterpret_cast<const float4*>(row + i) : __ldcg(reinterpret_cast<const float4*>(row + i));
+        v[i] += q.x;
+        v[i + 1] += q.y;
+        v[i + 2] += q.z;
+        v[i + 3] += q.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (lane * EPL + i < E) v[i] += SMEM ? row[i] : __ldcg(row + i);
+    }
+    if (SHARED_GATE && lane == 0) gl += SMEM ? logits[p * PSTRIDE + E] : __ldcg(logits + (size_t)p * PSTRIDE + E);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;
+  }
+  // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
+  // the logits' order (equal logits: equal scores, the lower expert first), so the route picks
+  // the k largest logits and computes the k weights alone (LOGIT_ORDER), with no pass over the
+  // experts' scores.
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  if (LOGIT_ORDER) {
+  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+    float mx = MOE_NEG_INF;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      v[i] = lane * EPL + i < E ? expf(v[i] - mx) : 0.0f;
+      sum += v[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
+  } else {
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = route_score<R>(v[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane * EPL + i;
+    sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
+  }
+  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
+  static_assert(EPL <= 16, "route_one: at most 512 experts");
+  // Where a lane holds BOUND_MIN (8; 16 in the router's last block, where 8 spilled beside the
+  // router's registers) or more experts (BOUND), the k largest as one 64-bit order per expert (the
+  // key above the inverted expert index: a larger value first, equal values the lower expert; every
+  // entry distinct). T, the k-th largest of the lanes' largest entries, bounds the k-th largest
+  // entry from below (k lanes each hold one >= T), so the choices are the k largest of the entries
+  // >= T, which only the k lanes whose largest entry is >= T hold (at most k * EPL; about k for
+  // logits at random): those are gathered into shared memory and each ranked among the others, a
+  // few dependent steps where k rounds of a warp reduction took k, and no lane sorts its experts.
+  // Past 32 of them (ties or skewed logits), k rounds, each lane's largest remaining entry found
+  // by a pass over its experts. With fewer experts a lane (a round's work is short: the rounds
+  // measured as fast), each lane's experts as (key, slot) pairs, sorted once (a bitonic network
+  // over the next power of two, the slots past EPL keyed below every expert); each round the warp
+  // takes the largest first key (the lowest lane among equal ones) and only that lane shifts its
+  // list: one reduction, one ballot and a shift a round.
+  constexpr bool BOUND = P2 >= BOUND_MIN;
+  if constexpr (BOUND) {
+    unsigned long long ent[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) ent[i] = (unsigned long long)order_key(sel[i]) << 32 | (0xffffffffu - (u32)(lane * EPL + i));
+    auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
+      unsigned long long m[EPL];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+#pragma unroll
+      for (int s = 1; s < EPL; s *= 2)
+#pragma unroll
+        for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
+      return m[0];
+    };
+    const unsigned long long head = lane_max();
+    int above = 0;  // lanes whose largest entry is larger than this lane's
+#pragma unroll
+    for (int m = 0; m < 32; ++m) above += __shfl_sync(0xffffffffu, head, m) > head;
+    const unsigned long long bound = __shfl_sync(0xffffffffu, head, __ffs(__ballot_sync(0xffffffffu, above == K - 1)) - 1);
+    int cnt = 0;  // this lane's entries >= T
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) cnt += ent[i] >= bound;
+    int off = cnt;  // inclusive scan over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int o = __shfl_up_sync(0xffffffffu, off, d);
+      if (lane >= d) off += o;
+    }
+    const int total = __shfl_sync(0xffffffffu, off, 31);
+    off -= cnt;
+    if (total <= 32) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (ent[i] >= bound) {
+          s_cand[off] = ent[i];
+          if (R::CORR_BIAS) s_cscore[off] = v[i];
+          ++off;
+        }
+      __syncwarp();
+      if (lane < total) {
+        const unsigned long long me = s_cand[lane];
+        int r = 0;
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {  // (past total: not counted)
+          const ulonglong2 o = *reinterpret_cast<const ulonglong2*>(s_cand + j);
+          r += (j < total && o.x > me) + (j + 1 < total && o.y > me);
+        }
+        if (r < K) {
+          ids[r] = (int)(0xffffffffu - (u32)me);
+          s_pick[r] = R::CORR_BIAS ? s_cscore[lane] : key_value((u32)(me >> 32));
+        }
+      }
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < K; ++j) {
+        const unsigned long long mine = lane_max();  // (a chosen entry is 0: below every expert's)
+        const u32 khi = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32));
+        const u32 klo = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32) == khi ? (u32)mine : 0u);
+        const unsigned long long best = (unsigned long long)khi << 32 | klo;
+        const int e = (int)(0xffffffffu - klo);
+        if (lane == e / EPL) {
+#pragma unroll
+          for (int i = 0; i < EPL; ++i)
+            if (ent[i] == best) {
+              ids[j] = e;
+              s_pick[j] = R::CORR_BIAS ? v[i] : key_value(khi);  // (without a bias the value is the score)
+              ent[i] = 0ull;
+            }
+        }
+      }
+    }
+  } else {
+    u32 ck[P2];
+    int ci[P2];
+    float cs[R::CORR_BIAS ? P2 : 1];  // the scores, where the selection values are not (a correction bias)
+#pragma unroll
+    for (int i = 0; i < P2; ++i) {
+      ck[i] = i < EPL ? order_key(sel[i]) : 0u;
+      ci[i] = i;
+      if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
+    }
+#pragma unroll
+    for (int size = 2; size <= P2; size *= 2)
+#pragma unroll
+      for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+        for (int i = 0; i < P2; ++i) {
+          const int o = i ^ stride;
+          if (o > i) {  // i's pair: descending where i & size is 0, ascending elsewhere (selects, no branches)
+            const bool o_first = ck[o] > ck[i] || (ck[o] == ck[i] && ci[o] < ci[i]);
+            const bool sw = o_first == ((i & size) == 0);
+            const u32 ki = ck[i], ko = ck[o];
+            const int si = ci[i], so = ci[o];
+            ck[i] = sw ? ko : ki;
+            ck[o] = sw ? ki : ko;
+            ci[i] = sw ? so : si;
+            ci[o] = sw ? si : so;
+            if (R::CORR_BIAS) {
+              const float fi = cs[i], fo = cs[o];
+              cs[i] = sw ? fo : fi;
+              cs[o] = sw ? fi : fo;
+            }
+          }
+        }
+#pragma unroll 1
+    for (int j = 0; j < K; ++j) {
+      const u32 kmax = __reduce_max_sync(0xffffffffu, ck[0]);
+      const int owner = __ffs(__ballot_sync(0xffffffffu, ck[0] == kmax)) - 1;
+      if (lane == owner) {
+        ids[j] = lane * EPL + ci[0];
+        s_pick[j] = R::CORR_BIAS ? cs[0] : key_value(ck[0]);  // (without a bias the value is the score)
+#pragma unroll
+        for (int i = 0; i + 1 < P2; ++i) {
+          ck[i] = ck[i + 1];
+          ci[i] = ci[i + 1];
+          if (R::CORR_BIAS) cs[i] = cs[i + 1];
+        }
+        ck[P2 - 1] = 0u;
+      }
+    }
+  }
+  __syncwarp();
+  if (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
+    after();      // pipeline, where its shared-memory accesses and copies would queue), then the others
+    __syncwarp();
+    mbar_arrive(chosen);
+  }
+  float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
+  if (LOGIT_ORDER && !R::RENORM) {
+    const float top = s_pick[0];  // the first choice: the largest logit
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    all = warp_sum(all);
+  }
+  if (OVERLAP) {
+    if (lane == 0) *all_out = all;
+  } else {
+    route_weights<K, R>(s_pick, all, w_out);
+  }
+  if (SHARED_GATE && lane == 0) *gate = 1.0f / (1.0f + expf(-gl));
+}
+
 // Each warp routes tokens (lane j keeps the j-th choice); then the hit experts are numbered in
 // ascending expert order (slots) and each (token, choice) pair gets a row in its expert's
 // contiguous segment. The order of tokens inside a segment is whatever the counters give, which
@@ -602,11 +879,35 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   __shared__ int cnt[E];
   __shared__ int cursor[E];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // route_one's rules: each warp's token routed by route_one (the k largest by a bound where a lane
+  // holds 8 or more experts; the weights from the k choices alone where the order of the scores is
+  // the logits'), as the one-token kernel routes; its choices, weights and gate in this warp's room
+  constexpr bool ONE = !R::HASH && R::NGROUP == 1 && R::SCORE != MOE_SCORE_SPARSEMIXER && R::ZERO == 0;
+  constexpr int OW = ONE ? THREADS / 32 : 1;
+  __shared__ __align__(16) unsigned long long one_cand[OW][32];
+  __shared__ float one_cscore[ONE && R::CORR_BIAS ? OW : 1][32];
+  __shared__ int one_ids[OW][K];
+  __shared__ float one_pick[OW][K], one_w[OW][K], one_gate[OW];
   for (int e = threadIdx.x; e < E; e += THREADS) cnt[e] = 0;
   __syncthreads();
   const int first = MULTI ? blockIdx.x * (THREADS / 32) + warp : warp;
   const int step = MULTI ? gridDim.x * (THREADS / 32) : THREADS / 32;
   for (int tk = first; tk < n; tk += step) {
+    if constexpr (ONE) {
+      route_one<E, K, KSPLIT, (size_t)NMAX * ROWS_PAD, false, SHARED_GATE, R, false, void (*)(), MULTI ? 8 : 16>(
+          logits + (size_t)tk * ROWS_PAD, corr_bias, router_bias, one_ids[warp], one_pick[warp], one_w[warp],
+          &one_gate[warp], nullptr, 0u, [] {}, one_cand[warp], one_cscore[ONE && R::CORR_BIAS ? warp : 0]);
+      __syncwarp();
+      if (lane < K) {
+        const int e = one_ids[warp][lane];
+        topk_ids[tk * K + lane] = e;
+        topk_w[tk * K + lane] = one_w[warp][lane];
+        if (!R::EP || (e >= R::EP_LO && e < R::EP_LO + R::EP_N)) atomicAdd(&cnt[e], 1);  // this rank's experts get slots
+      }
+      if (SHARED_GATE && lane == 0) gate_s[tk] = one_gate[warp];
+      __syncwarp();  // (this warp's room read before its next token)
+      continue;
+    }
     // v: logits, then scores (what the weights come from); sel: what top-k ranks.
     float v[EPL], sel[EPL];
 #pragma unroll
@@ -782,45 +1083,51 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     __syncthreads();
   }
   {  // number the hit experts in ascending order (slots); segment starts by a block-wide prefix
-    // sum over the experts, THREADS at a time
+    // sum over the experts: thread t takes EPT consecutive ones (one pass over E; a pass of
+    // THREADS experts at a time took E / THREADS passes, each two block barriers)
+    constexpr int EPT = (E + THREADS - 1) / THREADS;
     __shared__ int warp_c[THREADS / 32], warp_f[THREADS / 32];
-    int carry_c = 0, carry_f = 0;
-    for (int base = 0; base < E; base += THREADS) {
-      const int e = base + threadIdx.x;
-      const int c = e < E ? cnt[e] : 0, f = c > 0;
-      int ci = c, fi = f;
+    int c[EPT], ci = 0, fi = 0;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) {
+      const int e = threadIdx.x * EPT + i;
+      c[i] = e < E ? cnt[e] : 0;
+      ci += c[i];
+      fi += c[i] > 0;
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
+      if (lane >= o) { ci += co; fi += fo; }
+    }
+    if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
+    __syncthreads();
+    if (warp == 0) {
+      int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
-        const int co = __shfl_up_sync(0xffffffffu, ci, o), fo = __shfl_up_sync(0xffffffffu, fi, o);
-        if (lane >= o) { ci += co; fi += fo; }
+        const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
+        if (lane >= o) { wc += co; wf += fo; }
       }
-      if (lane == 31) { warp_c[warp] = ci; warp_f[warp] = fi; }
-      __syncthreads();
-      if (warp == 0) {
-        int wc = lane < THREADS / 32 ? warp_c[lane] : 0, wf = lane < THREADS / 32 ? warp_f[lane] : 0;
+      if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
+    }
+    __syncthreads();
+    if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
+    int b = ci, f = fi;  // past this thread's experts: walk them back
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int co = __shfl_up_sync(0xffffffffu, wc, o), fo = __shfl_up_sync(0xffffffffu, wf, o);
-          if (lane >= o) { wc += co; wf += fo; }
-        }
-        if (lane < THREADS / 32) { warp_c[lane] = wc; warp_f[lane] = wf; }
+    for (int i = EPT - 1; i >= 0; --i) {
+      b -= c[i];
+      if (c[i] > 0) {
+        const int e = threadIdx.x * EPT + i;
+        slot_expert[f - 1] = e - R::EP_LO;  // the expert's index among this rank's weights
+        slot_begin[f - 1] = b;
+        cursor[e] = b;
+        --f;
       }
-      __syncthreads();
-      if (warp > 0) { ci += warp_c[warp - 1]; fi += warp_f[warp - 1]; }
-      ci += carry_c;
-      fi += carry_f;
-      if (f) {
-        slot_expert[fi - 1] = e - R::EP_LO;  // the expert's index among this rank's weights
-        slot_begin[fi - 1] = ci - c;
-        cursor[e] = ci - c;
-      }
-      carry_c += warp_c[THREADS / 32 - 1];
-      carry_f += warp_f[THREADS / 32 - 1];
-      __syncthreads();
     }
     if (threadIdx.x == 0) {
-      *num_slots = carry_f;
-      slot_begin[carry_f] = carry_c;
+      *num_slots = warp_f[THREADS / 32 - 1];
+      slot_begin[warp_f[THREADS / 32 - 1]] = warp_c[THREADS / 32 - 1];
     }
   }
   __syncthreads();
