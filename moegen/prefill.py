@@ -415,10 +415,10 @@ def bench_prefill(spec_path: str, tokens: list[int], tiles: GemmTiles = GemmTile
     weights and routing (uniform random, distinct experts per token; routing itself not timed).
     TFLOP/s count 2 * N * k * 3 * H * I. CUDA-event times of back-to-back calls; printed, not
     asserted."""
-    import numpy as np
     import tempfile
     from pathlib import Path
 
+    import numpy as np
     import torch
 
     from .bench import _random_weights

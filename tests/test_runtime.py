@@ -364,7 +364,7 @@ def test_layer_in_parts_takes_each_kernel_from_its_part(fake_cuda, monkeypatch):
 
     monkeypatch.setattr(cuda.core, "ObjectCode", SimpleNamespace(from_cubin=lambda b: SimpleNamespace(
         get_kernel=lambda name: FakeKernel(f"{b.decode()}:{name}"))))
-    spec, plan = dict(SPECS)["shared_gate"], make_plan(dict(SPECS)["shared_gate"])
+    plan = make_plan(dict(SPECS)["shared_gate"])
     assert plan.parts == 2
     device = SimpleNamespace(device_id=0, set_current=lambda: None,
                              properties=SimpleNamespace(multiprocessor_count=132))
