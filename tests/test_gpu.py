@@ -21,9 +21,9 @@ from rowcheck import ROW_TOL, ROW_TOL_FP8_ACT, _check_rows, check_rows_fp8_act, 
 
 from moegen import reference
 from moegen.arrays import ArrayError
-from moegen.build import render_all, write_dir
+from moegen.build import render_all, tuned_plan, write_dir
 from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
-from moegen.plan import Plan, make_plan
+from moegen.plan import Plan
 from moegen.runtime import Layer, load
 from moegen.spec import Spec, load_spec
 from moegen.weights import tensors
@@ -166,7 +166,7 @@ def case(request, tmp_path_factory) -> Iterator[Case]:
     import torch
 
     spec = load_spec(request.param)
-    plan = make_plan(spec)
+    plan = tuned_plan(spec, request.param.parent.parent / "generated")  # the plan generated/ holds (its tuning)
     out = tmp_path_factory.mktemp("gen") / spec.name
     write_dir(out, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)

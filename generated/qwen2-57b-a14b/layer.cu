@@ -4,7 +4,7 @@
 // E=64 routed experts, top-8, H=3584, I=2560, shared expert I=20480 (sigmoid gate).
 // Routing: softmax over 64 experts (fp32 logits) -> top-8.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 55050240 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 128 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -2399,19 +2399,19 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: softmax over 64 experts (fp32 logits) -> top-8; one token per warp, the last block groups the tokens by expert up to N = 128
+// route: softmax over 64 experts (fp32 logits) -> top-8; one token per warp, the last block groups the tokens by expert up to N = 64
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e64_k8_softmax_scores_sgate_fp32_n256_g128_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<64, 80, 8, 1, 256, true, 256, 128>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e64_k8_softmax_scores_sgate_fp32_n256_g64_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<64, 80, 8, 1, 256, true, 256, 64>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 80 rows x 3584, K split 28 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks28_nt1_n256_route_e64_k8_softmax_scores_sgate_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<112, 1, 4, 8, 28, 80, 256, true, 64, 8, true>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2429,13 +2429,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt
 }
 #endif
 // router: 80 rows x 3584, K split 28 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks28_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<112, 4, 4, 4, 28, 80, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 160 tiles + shared 1280 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt1_bf16_si20480_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<112, 1, 2, 4, 4, 4, 160, 1280, 2560, 20480, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2447,7 +2447,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 160 tiles + shared 1280 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt1_bf16_si20480_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<112, 1, 4, 4, 4, 3, 160, 1280, 2560, 20480, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2459,7 +2459,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 160 tiles + shared 1280 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt2_bf16_si20480_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<112, 2, 4, 4, 4, 3, 160, 1280, 2560, 20480, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2470,44 +2470,32 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt
   down_body<80, 640, 2, 4, 4, 4, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 160 tiles + shared 1280 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h3584_i2560_nt4_bf16_si20480_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<112, 4, 4, 4, 3, 3, 160, 1280, 2560, 20480, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
-}
-#endif
-// down: expert slots x 224 tiles of 2560 + shared (20480); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h3584_i2560_k8_nt4_bf16_si20480_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<80, 640, 4, 4, 4, 3, 3, 2, 112, 3584, 8, true, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
-}
-#endif
 // router: 80 rows x 3584, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r80_h3584_ks1_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<112, 4, 4, 4, 1, 80, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h3584_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 3584, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e64_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 64, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e64_k8_r128_n256_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 64, 128, 80, first, tiles, n, stiles, 2);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e64_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 64, 8, counts, first, tok, slot);
 }
@@ -2537,7 +2525,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h3584_
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + gate * YS
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h3584_k8_sgate_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys, const float* __restrict__ gate) {
   prefill_combine_body(y, slot, wts, x, out, 3584, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, gate);
 }
