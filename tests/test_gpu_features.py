@@ -120,6 +120,36 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
         layer.close()
 
 
+def _tied_layer(name: str, distinct: int, tuning: Tuning | None, tmp_path: Path, torch):
+    """The spec's layer with its router rows repeated (expert e's row is expert e % distinct's):
+    equal logits exactly, in the kernels as in the reference. Returns spec, plan, layer, host weights."""
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec, tuning=tuning)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    rows = torch.arange(plan.experts, device="cuda") % distinct
+    dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
+    host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
+    return spec, plan, load(tmp_path / spec.name, dev_w), host
+
+
+def _check_tied_call(name: str, spec, plan, layer, host, n: int, distinct: int, torch) -> None:
+    """One call of n fresh tokens: every token's choices equal the reference's in order, the
+    routing weights match, and the output matches the reference on those choices."""
+    x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    layer(x, out=out, stream=torch.cuda.current_stream())
+    ids, w = layer.routing(n)
+    xh = _host(x)
+    r = reference.route(spec, xh, host)
+    bad = np.flatnonzero((ids != r.ids).any(1))
+    assert not len(bad), f"{name} N={n}: token {bad[0]}'s choices {ids[bad[0]].tolist()}, the reference's {r.ids[bad[0]].tolist()}"
+    rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64))
+    assert np.allclose(w, rw, rtol=1e-4, atol=1e-6), f"{name} N={n}: routing weights differ"
+    _check_rows(_host(out).astype(np.float64), reference.moe_forward(spec, xh, host, ids=ids.astype(np.int64)),
+                f"{name} N={n} ties of {distinct} rows")
+
+
 @pytest.mark.parametrize("name,distinct,route", [(n, d, r) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b")
                                                   for d in (1, 5, 16) for r in ("warp", "block")])
 def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, route, tmp_path):
@@ -130,29 +160,11 @@ def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, rou
     plan's) and the whole block's (route_block). With one distinct row every expert ties."""
     import torch
 
-    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
-    plan = make_plan(spec, tuning=Tuning(single_overlap=route == "warp"))
+    spec, plan, layer, host = _tied_layer(name, distinct, Tuning(single_overlap=route == "warp"), tmp_path, torch)
     assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
-    write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
-    e = plan.experts
-    rows = torch.arange(e, device="cuda") % distinct
-    dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
-    host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
-    layer = load(tmp_path / spec.name, dev_w)
     try:
         for _ in range(3):
-            x = torch.randn(1, plan.hidden, device="cuda", dtype=torch.bfloat16)
-            out = torch.full_like(x, float("nan"))
-            layer(x, out=out, stream=torch.cuda.current_stream())
-            ids, w = layer.routing(1)
-            xh = _host(x)
-            r = reference.route(spec, xh, host)
-            assert (ids == r.ids).all(), f"{name}: choices {ids[0].tolist()}, the reference's {r.ids[0].tolist()}"
-            rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64))
-            assert np.allclose(w, rw, rtol=1e-4, atol=1e-6), f"{name}: routing weights differ"
-            _check_rows(_host(out).astype(np.float64), reference.moe_forward(spec, xh, host, ids=ids.astype(np.int64)),
-                        f"{name} ties of {distinct} rows")
+            _check_tied_call(name, spec, plan, layer, host, 1, distinct, torch)
     finally:
         layer.close()
 
@@ -165,27 +177,9 @@ def test_route_breaks_exact_ties_as_the_reference(name, distinct, n, tmp_path):
     token's choices equal the reference's in order, and the output matches the reference on them."""
     import torch
 
-    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
-    plan = make_plan(spec)
-    write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
-    rows = torch.arange(plan.experts, device="cuda") % distinct
-    dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
-    host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
-    layer = load(tmp_path / spec.name, dev_w)
+    spec, plan, layer, host = _tied_layer(name, distinct, None, tmp_path, torch)
     try:
-        x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
-        out = torch.full_like(x, float("nan"))
-        layer(x, out=out, stream=torch.cuda.current_stream())
-        ids, w = layer.routing(n)
-        xh = _host(x)
-        r = reference.route(spec, xh, host)
-        bad = np.flatnonzero((ids != r.ids).any(1))
-        assert not len(bad), f"{name} N={n}: token {bad[0]}'s choices {ids[bad[0]].tolist()}, the reference's {r.ids[bad[0]].tolist()}"
-        rw = reference.routing_weights_for(spec, xh, host, ids.astype(np.int64))
-        assert np.allclose(w, rw, rtol=1e-4, atol=1e-6), f"{name} N={n}: routing weights differ"
-        _check_rows(_host(out).astype(np.float64), reference.moe_forward(spec, xh, host, ids=ids.astype(np.int64)),
-                    f"{name} N={n} ties of {distinct} rows")
+        _check_tied_call(name, spec, plan, layer, host, n, distinct, torch)
     finally:
         layer.close()
 

@@ -619,8 +619,8 @@ MOE_DEVICE float route_score(float s) {
 
 // The route of one token by one warp (the one-token kernel's warp 0, route_body's warp a token),
 // for the rules without expert groups, hash tables, identity experts or SparseMixer: the k
-// largest selection values, equal values the lower expert (route_body's rounds for the others). Lane l holds experts
-// l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts), sorted by selection value;
+// largest selection values, equal values the lower expert (route_body's rounds for the others).
+// Lane l holds experts l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts), sorted by selection value;
 // each round takes the warp's largest key and the lowest lane holding it (one reduction and one
 // ballot), and only that lane moves on in its list. The partial logits: part p at logits +
 // p * PSTRIDE, in global memory (read from L2) or (SMEM) in shared memory. The choices, their weights and the shared-expert gate go to
@@ -880,8 +880,9 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   __shared__ int cursor[E];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // route_one's rules: each warp's token routed by route_one (the k largest by a bound where a lane
-  // holds 8 or more experts; the weights from the k choices alone where the order of the scores is
-  // the logits'), as the one-token kernel routes; its choices, weights and gate in this warp's room
+  // holds 8 or more experts, 16 here in the router's last block; the weights from the k choices
+  // alone where the order of the scores is the logits'), as the one-token kernel routes; its
+  // choices, weights and gate in this warp's room
   constexpr bool ONE = !R::HASH && R::NGROUP == 1 && R::SCORE != MOE_SCORE_SPARSEMIXER && R::ZERO == 0;
   constexpr int OW = ONE ? THREADS / 32 : 1;
   __shared__ __align__(16) unsigned long long one_cand[OW][32];
@@ -896,7 +897,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     if constexpr (ONE) {
       route_one<E, K, KSPLIT, (size_t)NMAX * ROWS_PAD, false, SHARED_GATE, R, false, void (*)(), MULTI ? 8 : 16>(
           logits + (size_t)tk * ROWS_PAD, corr_bias, router_bias, one_ids[warp], one_pick[warp], one_w[warp],
-          &one_gate[warp], nullptr, 0u, [] {}, one_cand[warp], one_cscore[ONE && R::CORR_BIAS ? warp : 0]);
+          &one_gate[warp], nullptr, 0u, [] {}, one_cand[warp], one_cscore[R::CORR_BIAS ? warp : 0]);
       __syncwarp();
       if (lane < K) {
         const int e = one_ids[warp][lane];
