@@ -10,7 +10,6 @@ with CUDA events, the median of many runs, rotating over the same distinct-weigh
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from .plan import Plan
@@ -86,28 +85,24 @@ def prepare(wts: dict[str, Any], torch: Any) -> dict[str, Any]:
     return out
 
 
-def time_baselines(spec: Spec, plan: Plan, layer_weights: list[dict[str, Any]], xs: list[Any]) -> dict[str, float]:
-    """Median microseconds per layer of each baseline, rotating over the distinct-weight layers."""
+def time_baselines(spec: Spec, plan: Plan, layer_weights: list[dict[str, Any]], xs: list[Any], timer: Any) -> dict[str, float]:
+    """Median microseconds per layer of each baseline, rotating over the distinct-weight layers,
+    timed as moegen's layers are (timer: moegen.bench's, its stream and its hold)."""
     import torch
 
     prepared = [prepare(w, torch) for w in layer_weights]
     results: dict[str, float] = {}
-    for name, fn in (("torch_loop", loop_over_experts), ("torch_grouped_mm", grouped_mm)):
-        try:
-            for w, x in zip(prepared, xs):
-                fn(spec, x, w, torch)  # warm-up (and the grouped GEMM's availability)
-        except (RuntimeError, AttributeError) as exc:  # e.g. torch._grouped_mm missing on this build
-            results[name] = float("nan")
-            print(f"  {name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
-            continue
-        times = []
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(REPEATS):
-            start.record()
-            for w, x in zip(prepared, xs):
-                fn(spec, x, w, torch)
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3 / len(xs))
-        results[name] = statistics.median(times)
+    with torch.cuda.stream(torch.cuda.ExternalStream(int(timer.stream))):
+        for name, fn in (("torch_loop", loop_over_experts), ("torch_grouped_mm", grouped_mm)):
+            def call(fn: Any = fn) -> None:
+                for w, x in zip(prepared, xs):
+                    fn(spec, x, w, torch)
+
+            try:
+                call()  # warm-up (and the grouped GEMM's availability)
+            except (RuntimeError, AttributeError) as exc:  # e.g. torch._grouped_mm missing on this build
+                results[name] = float("nan")
+                print(f"  {name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+                continue
+            results[name] = timer.median_ms(call, REPEATS) * 1e3 / len(xs)
     return results

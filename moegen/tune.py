@@ -82,7 +82,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     count = max(1, min(layers, _layer_count(variants[0][1], 2 * layers, device) // 2))  # raw and packed weights held
     weights = [_random_weights(variants[0][1], rng) for _ in range(count)]
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
-    timer = _Timer()
+    timer = _Timer(device)
     table: dict[Tuning, dict[int, float]] = {}
     seen: set[tuple] = set()
     for tuning, plan in variants:
