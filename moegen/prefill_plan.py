@@ -49,7 +49,8 @@ def tiles(c: Layer) -> GemmTiles:
     # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
-                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair)
+                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
+                     bulk_a=t.prefill_bulk_a and t.prefill_ws and not fp8)
 
 
 def unsupported(c: Layer) -> str:
@@ -146,16 +147,20 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       min_blocks=(1 if ws_cap and family.startswith("gemm") else
                                   down_blocks if family.startswith("gemm_down") else 0))
 
-    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "")
+    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "") + ("_bulk" if t.bulk_a else "")
     wf = t.wfmt
 
     def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
-        """prefill_gemm's template arguments: GATED, MATS, GATHER where not GATED's, FP8, A8 and PAIR
-        (the down GEMMs on row groups of two tiles) where set."""
+        """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
+        on row groups of two tiles) and BULK (weight runs by bulk copies) up to the last that is not
+        its default."""
         pair = gated == "false" and t.down_pair
-        return (gated, mats, *((gather or gated,) if gather or t.fp8 or pair else ()),
-                *((str(t.fp8).lower(),) if t.fp8 or pair else ()), *((str(t.a8).lower(),) if t.a8 or pair else ()),
-                *(("true",) if pair else ()))
+        full = [gated, mats, gather or gated, *(str(v).lower() for v in (t.fp8, t.a8, pair,
+                                                                          t.bulk_a and (gated == "true" or pair)))]
+        default = [None, None, gated, "false", "false", "false", "false"]
+        while full[-1] == default[len(full) - 1]:
+            full.pop()
+        return tuple(full)
 
     # FP8: the block scales after the GEMMs' other arguments; A8: then the input rows' scales
     def scales(name: str, xs: str = "") -> tuple:
@@ -169,7 +174,8 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     # the e4m3 codes the quantization kernels write (x, then H in column order)
     act_in = "const unsigned char* __restrict__" if t.a8 else "const bf16_t* __restrict__"
     xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
-    down = f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "") + ("_pair" if t.down_pair else "")
+    down = (f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "") + ("_pair" if t.down_pair else "")
+            + ("_bulk" if t.bulk_a and t.down_pair else ""))
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
     # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already where the

@@ -2821,6 +2821,15 @@ MOE_DEVICE float2 lds64f(u32 addr) {
   asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
   return v;
 }
+// The barrier's phase also waits for `bytes` more of transactions (no arrival).
+MOE_DEVICE void mbar_expect_tx(u32 addr, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
+}
+// A 1-D bulk copy global -> shared by the copy engine, completing its bytes on the barrier.
+MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 // Arrives on the barrier once every cp.async this thread issued before has landed.
 MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
@@ -2855,13 +2864,17 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // PAIR (down, MATS 2): each warp takes a whole row group, its two 16-row tiles as gate/up's two
 // matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
 // each token row B tile read.
-template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false>
+// BULK (BF16, gate/up or PAIR): each warp's A run of a k-tile (4 KB, contiguous in the packed
+// layout) by one bulk copy of the copy engine, instead of 256 cp.async of the producers.
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
+          bool BULK = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr) {
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
+  static_assert(!BULK || ((GATED || PAIR) && !FP8), "BULK: BF16 runs of two matrices a warp");
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
@@ -2933,6 +2946,9 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
+      // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group)
+      const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * wstride;
+      static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
@@ -2948,7 +2964,15 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
         for (int j = 0; j < BJ; ++j)
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * 128, alive[j]);
-        if constexpr (A8) {
+        if constexpr (BULK) {  // lane 0 of producer warp pu: the runs of warps pu, pu + 4, ...
+          if (p == 0) gg::mbar_expect_tx(full + s * 8, WARPS * A_WARP);
+          if (pl == 0) {
+#pragma unroll
+            for (int j = 0; j < WARPS / 4; ++j)
+              gg::bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
+                            arun + (size_t)j * 4 * wstride + (size_t)kt * 256, A_WARP, full + s * 8);
+          }
+        } else if constexpr (A8) {
           // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
           // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
           // chunk pu (its row group's run: [K/32][MATS][32])
