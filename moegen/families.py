@@ -117,11 +117,13 @@ class Tuning:
     # a warp multiplies both tiles, gate/up's shape, so a block reads each token row B tile once
     # for 256 rows instead of 128 (False: a tile a warp).
     prefill_down_pair: bool = True
-    # The BF16 prefill GEMMs' weight k-tiles by bulk copies (moegen.prefill.GemmTiles.bulk_a): on
+    # The prefill GEMMs' weight k-tiles by bulk copies (moegen.prefill.GemmTiles.bulk_a): on
     # the H200 (2026-11-30, one process, the same bits) Qwen3-30B-A3B 357.3 / 577.7 / 1724.2 against
     # 340.8 / 528.9 / 1606.6 us at N = 512 / 2048 / 8192, Mixtral-8x7B 3493.6 / 11772.5 against
-    # 3116.2 / 10593.9 us at N = 2048 / 8192, Qwen2-57B-A14B 1371.8 against 1316.7 us at N = 256
-    # (False: the producers' cp.async, 16 bytes each).
+    # 3116.2 / 10593.9 us at N = 2048 / 8192, Qwen2-57B-A14B 1371.8 against 1316.7 us at N = 256;
+    # Qwen3-30B-A3B-FP8-a8 426.8 / 1473.6 against 412.1 / 1411.6 us at N = 2048 / 8192, its FP8
+    # weight-only layer within the spread, 2067.7 against 2069.8 us at N = 8192 (its loops convert
+    # codes on the CUDA cores). False: the producers' cp.async, 16 bytes each.
     prefill_bulk_a: bool = True
     # Layers with a BF16 shared expert get prefill buckets too, the shared expert as one more GEMM
     # pair over all tokens (checked against the reference on the H200; False keeps them on the GEMV path).

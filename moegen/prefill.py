@@ -48,8 +48,8 @@ class GemmTiles:
     # The down GEMMs on whole row groups of two tiles (down_tiles 2, with the producer warpgroup):
     # each warp holds both tiles' accumulators, as gate/up holds gate's and up's (the same ring).
     down_pair: bool = False
-    # The BF16 GEMMs with a producer warpgroup (gate/up; down with down_pair): each warp's weight
-    # run of a k-tile by one bulk copy (the copy engine) instead of the producers' cp.async.
+    # The GEMMs with a producer warpgroup (gate/up; down with down_pair): each warp's weight run of
+    # a k-tile by one bulk copy (the copy engine) instead of the producers' cp.async.
     bulk_a: bool = False
 
     def __post_init__(self) -> None:
@@ -66,8 +66,8 @@ class GemmTiles:
             raise ValueError("a8 (FP8 activations) without fp8 (FP8 block weights)")
         if self.down_pair and not self.ws:
             raise ValueError("down_pair without the producer warpgroup")
-        if self.bulk_a and (not self.ws or self.fp8):
-            raise ValueError("bulk_a: the BF16 GEMMs with the producer warpgroup only")
+        if self.bulk_a and not self.ws:
+            raise ValueError("bulk_a: the GEMMs with the producer warpgroup only")
 
     @property
     def dstages(self) -> int:

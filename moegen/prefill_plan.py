@@ -50,7 +50,7 @@ def tiles(c: Layer) -> GemmTiles:
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
-                     bulk_a=t.prefill_bulk_a and t.prefill_ws and not fp8)
+                     bulk_a=t.prefill_bulk_a and t.prefill_ws)
 
 
 def unsupported(c: Layer) -> str:

@@ -2864,8 +2864,9 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // PAIR (down, MATS 2): each warp takes a whole row group, its two 16-row tiles as gate/up's two
 // matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
 // each token row B tile read.
-// BULK (BF16, gate/up or PAIR): each warp's A run of a k-tile (4 KB, contiguous in the packed
-// layout) by one bulk copy of the copy engine, instead of 256 cp.async of the producers.
+// BULK (gate/up or PAIR): each warp's A run of a k-tile (A_WARP bytes, contiguous in the packed
+// layout: BF16 and A8 4 KB, FP8 weight-only 2 KB) by one bulk copy of the copy engine, instead of
+// A_WARP / 16 cp.async of the producers.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
           bool BULK = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
@@ -2874,7 +2875,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr) {
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
-  static_assert(!BULK || ((GATED || PAIR) && !FP8), "BULK: BF16 runs of two matrices a warp");
+  static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
@@ -2946,8 +2947,10 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                  : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
-      // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group)
-      const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * wstride;
+      // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group, RUN uint4 over K)
+      constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
+      const size_t RUN = (size_t)ktiles * AK;
+      const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * RUN;
       static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
@@ -2970,8 +2973,9 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
             for (int j = 0; j < WARPS / 4; ++j)
               gg::bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
-                            arun + (size_t)j * 4 * wstride + (size_t)kt * 256, A_WARP, full + s * 8);
+                            arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * 8);
           }
+          if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
         } else if constexpr (A8) {
           // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
           // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
@@ -3401,14 +3405,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 64 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn64_s4_ws_fp8_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13) {
-  prefill_gemm<true, 2, true, true>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13);
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn64_s4_ws_bulk_fp8_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13) {
+  prefill_gemm<true, 2, true, true, false, false, true>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13);
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 64 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_m2_fp8_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2) {
-  prefill_gemm<false, 2, false, true, false, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2);
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_bulk_m2_fp8_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2) {
+  prefill_gemm<false, 2, false, true, false, true, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
