@@ -4,7 +4,8 @@ Method (DESIGN.md): the device bandwidth is measured in the same run (a large de
 copy, bytes read + written over time). A CUDA graph holds L >= 4 layers whose weights lie at
 distinct addresses (the first layer's random weights, copied on the device; with --compare each
 layer draws its own), so no layer's weights sit in L2 from the previous one; the median of many replays over L is the
-time per layer. The floor is the bytes that must be read: the distinct experts the routing hit,
+time per layer, each replay queued behind a spin kernel (the GPU's time, not the host's submission
+too). The floor is the bytes that must be read: the distinct experts the routing hit,
 the router, the shared expert, and the activations in and out.
 """
 
