@@ -75,7 +75,7 @@ def test_bench_vs_times_both_specs_in_one_run(monkeypatch, tmp_path, capsys):
     fake_device = types.SimpleNamespace(set_current=lambda: None, properties=types.SimpleNamespace(multiprocessor_count=132),
                                         name="fake", device_id=0)
     monkeypatch.setattr(cuda.core, "Device", lambda: fake_device)
-    monkeypatch.setattr(bench, "_Timer", lambda: None)
+    monkeypatch.setattr(bench, "_Timer", lambda device: None)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda timer, device: 4e12)
     monkeypatch.setattr(bench, "_layer_count", lambda plan, layers, device: 2)
     monkeypatch.setattr(bench, "_random_weights", lambda plan, rng: {})
