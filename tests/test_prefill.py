@@ -168,10 +168,12 @@ def test_gate_up_writes_h_in_the_permuted_order():
                                          ("qwen3-30b-a3b", {"prefill_ws": False}),
                                          ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
                                          ("qwen3-30b-a3b", {"prefill_down_pair": False}),
+                                         ("qwen3-30b-a3b", {"prefill_bulk_a": False}),
                                          ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {})], ids=str)
 def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
-    """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup; and its tunings; BF16 and
-    FP8 block weights, with bf16 or FP8 activations: QGMMA in the SASS) compile without spills and without ptxas's warnings that wgmmas are
+    """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup, the weights by bulk copies;
+    and its tunings; BF16 and FP8 block weights, with bf16 or FP8 activations: QGMMA in the SASS)
+    compile without spills and without ptxas's warnings that wgmmas are
     serialized (C7513, C7514: the A registers or accumulators touched while a group is in flight)
     or that setmaxnreg is ignored (C7508: no register count fixed at entry); a two-block down GEMM
     stays within its registers."""
@@ -194,6 +196,11 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     # the down GEMM on row-group pairs: the analytic plan's with a producer warpgroup and down_tiles 2
     pair = tuning.get("prefill_ws", True) and tuning.get("prefill_down_pair", True)
     assert [k.name.count("_pair_") for k in gemms] == [0, int(pair)], [k.name for k in gemms]
+    # the weights' k-tiles by bulk copies (analytic, with the producer warpgroup): gate/up, and the
+    # down GEMM on row-group pairs; the template's BULK argument with the name
+    bulk = tuning.get("prefill_ws", True) and tuning.get("prefill_bulk_a", True)
+    assert [k.name.count("_bulk") for k in gemms] == [int(bulk), int(bulk and pair)], [k.name for k in gemms]
+    assert [len(k.targs) >= 7 and k.targs[6] == "true" for k in gemms] == [bulk, bulk and pair], [k.targs for k in gemms]
     for k in gemms:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
