@@ -61,11 +61,12 @@ class _Timer:
         cubin = compile_cuda(_HOLD_SOURCE, arch, "bench_hold.cu").cubin
         self._hold = ObjectCode.from_cubin(cubin).get_kernel("moegen_bench_hold")
         self._hold_cfg = LaunchConfig(grid=1, block=1)
+        self._hold_stream = _StreamRef(int(self.stream))
 
     def hold(self) -> None:
         from cuda.core import launch
 
-        launch(_StreamRef(int(self.stream)), self._hold_cfg, self._hold, np.uint64(HOLD_NS))
+        launch(self._hold_stream, self._hold_cfg, self._hold, np.uint64(HOLD_NS))
 
     def median_ms(self, fn: Any, repeats: int) -> float:
         """Median over `repeats` of the GPU time of fn's work: each interval queued behind a hold."""

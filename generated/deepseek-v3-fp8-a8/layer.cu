@@ -109,6 +109,11 @@ MOE_DEVICE void mbar_wait(u32 addr, u32 parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(addr), "r"(parity) : "memory");
 }
+// A 1-D bulk copy global -> shared, completing `bytes` of the mbarrier's transaction count.
+MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 MOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -1945,11 +1950,6 @@ MOE_DEVICE float2 lds64f(u32 addr) {
 MOE_DEVICE void mbar_expect_tx(u32 addr, u32 bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
 }
-// A 1-D bulk copy global -> shared by the copy engine, completing its bytes on the barrier.
-MOE_DEVICE void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 // Arrives on the barrier once every cp.async this thread issued before has landed.
 MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
@@ -2002,6 +2002,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
   constexpr int BN = 64, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
+  static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
   // two chunks a k-tile, or with A8 four
@@ -2071,7 +2072,6 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
       const size_t RUN = (size_t)ktiles * AK;
       const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * RUN;
-      static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
@@ -2092,7 +2092,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
           if (pl == 0) {
 #pragma unroll
             for (int j = 0; j < WARPS / 4; ++j)
-              gg::bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
+              bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
                             arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * 8);
           }
           if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
