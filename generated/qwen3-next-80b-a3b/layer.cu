@@ -2499,8 +2499,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     if ((BLOCK_ROUTE || OVERLAP) && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
   }
-  constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // pieces a warp may get
+  constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // BF16: pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
+  constexpr bool RUNS = FP8 || FP4;  // FP8, FP4: a warp's pieces a run of PPW consecutive ones, NACC in flight
+  constexpr int PPW = (PIECES + WARPS - 1) / WARPS, NACC = 4;
   u32 parity = 0;
   for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
     if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
@@ -2512,65 +2514,94 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         __syncthreads();
       }
     }
-    // Warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c): its
-    // products DG operands at a time, each operand its own accumulator. Each operand's pieces are
-    // waited for just before its loads (the block's first row group's have landed by then: its
-    // copies end with gate/up's loads, before the activations arrive). BF16 and FP8 take one
-    // operand at a time, FP4 two (its pieces are half the bytes). Measured on the H200 (2026-11-30,
-    // N = 1, in one process, the same bits; with the re-reads of stale activations only, above)
-    // against the groups of 4 to 8 operands unrolled before: Qwen3-Next-80B-A3B 26.73 -> 26.10 us,
-    // Qwen3-30B-A3B 26.44 -> 26.11, Qwen3-30B-A3B-NVFP4 21.21 -> 20.80 (one at a time: 21.36),
-    // Qwen3-30B-A3B-FP8 19.55 -> 19.50.
-    constexpr int DG = FP4 ? (DSLOTS < 2 ? DSLOTS : 2) : 1;
+    // BF16: warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c),
+    // one operand at a time, its own accumulator. Each operand's pieces are waited for just before
+    // its loads. Measured on the H200 (2026-11-30, N = 1, in one process, the same bits; with the
+    // re-reads of stale activations only, above) against the groups of 4 to 8 operands unrolled
+    // before: Qwen3-Next-80B-A3B 26.73 -> 26.10 us, Qwen3-30B-A3B 26.44 -> 26.11.
+    // FP8 and FP4 (RUNS): warp w takes the run of PPW consecutive pieces of the flattened list from
+    // w * PPW (one or two operands' pieces, each operand waited for once), NACC pieces' products in
+    // their own accumulators, added in a fixed order at the operand's end: fewer waits and dependent
+    // products a warp. On the H200 (2026-11-30, N = 1, one process, 12 interleaved rounds, the same
+    // weights; against one operand at a time, FP4 two): Qwen3-30B-A3B-FP8 18.97 -> 18.43 and 19.04 ->
+    // 18.89 us, -NVFP4 20.52 -> 20.24 and 20.70 -> 20.35, -MXFP4 20.75 -> 20.20. The same for BF16
+    // measured slower (Qwen3-30B-A3B 25.67 -> 25.78, Qwen3-Next-80B-A3B 25.07 -> 25.15 us), and
+    // reading a run's first 4-8 pieces into registers before the activations' poll slower still
+    // (25.68 -> 26.10-26.80 us).
     const int mt = rb % TPB;  // FP4: this block's tile of the row group
+    if constexpr (RUNS) {
+      const int p_end = min((warp + 1) * PPW, PIECES);
 #pragma unroll 1
-    for (int s0 = 0; s0 < DSLOTS; s0 += DG) {
-      float o[DG][4];
+      for (int p = warp * PPW; p < p_end;) {  // one operand's pieces of this warp's run
+        const int s = p < K * KCD ? p / KCD : K, base = s * KCD;
+        const int q_end = min(p_end, s < K ? base + KCD : PIECES);
+        mbar_wait(bar + 8 * s, parity);
+        float o[NACC][4];
 #pragma unroll
-      for (int j = 0; j < DG; ++j) {
-        const int s = s0 + j, base = s * KCD, kcd = s < K ? KCD : s < DSLOTS ? KCDS : 0;
+        for (int j = 0; j < NACC; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
+#pragma unroll 1
+        for (int q = p; q < q_end; q += NACC) {
+#pragma unroll
+          for (int j = 0; j < NACC; ++j) {
+            if (q + j < q_end) {
+              const int c = q + j - base;
+              const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+              const uint4 w = pieces[(q + j) * PU4 + lane];
+              if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+                const u32 q0 = mt ? w.z : w.x, q1 = mt ? w.w : w.y;
+                const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
+                if (MX) {
+                  mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
+                } else {
+                  const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
+                  nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
+                }
+              } else {
+                uint4 k0, k1;
+                e4m3x16_to_bf16(w, k0, k1);
+                float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16(tmp, k0, b.x, b.y);
+                mma_bf16(tmp, k1, b.z, b.w);
+                const float sc = s_dsc[s * KBD + c / 4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
+              }
+            }
+          }
+        }
+        if (t == 0) {
+          float y0 = o[0][0], y2 = o[0][2];
+#pragma unroll
+          for (int j = 1; j < NACC; ++j) {
+            y0 += o[j][0];
+            y2 += o[j][2];
+          }
+          red[(warp * DSLOTS + s) * 16 + g] = y0;
+          red[(warp * DSLOTS + s) * 16 + g + 8] = y2;
+        }
+        p = q_end;
+      }
+    } else {
+#pragma unroll 1
+      for (int s = 0; s < DSLOTS; ++s) {
+        const int base = s * KCD, kcd = s < K ? KCD : KCDS;
         const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
-        if (s < DSLOTS) mbar_wait(bar + 8 * s, parity);
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mbar_wait(bar + 8 * s, parity);
 #pragma unroll
         for (int i = 0; i < CWM; ++i) {
           const int c = c0 + i * WARPS;
           if (c < kcd) {
             const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
-            if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
-              const uint4 q = pieces[(base + c) * PU4 + lane];
-              const u32 q0 = mt ? q.z : q.x, q1 = mt ? q.w : q.y;
-              const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
-              if (MX) {
-                mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
-              } else {
-                const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
-                nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
-              }
-            } else if (FP8) {
-              uint4 k0, k1;
-              e4m3x16_to_bf16(pieces[(base + c) * PU4 + lane], k0, k1);
-              float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-              mma_bf16(tmp, k0, b.x, b.y);
-              mma_bf16(tmp, k1, b.z, b.w);
-              const float sc = s_dsc[s * KBD + c / 4];
-#pragma unroll
-              for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
-            } else {
-              mma_bf16(o[j], pieces[(base + c) * PU4 + lane], b.x, b.y);
-              mma_bf16(o[j], pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
-            }
+            mma_bf16(o, pieces[(base + c) * PU4 + lane], b.x, b.y);
+            mma_bf16(o, pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
           }
         }
-      }
-      if (t == 0) {
-#pragma unroll
-        for (int j = 0; j < DG; ++j) {
-          if (s0 + j < DSLOTS) {
-            red[(warp * DSLOTS + s0 + j) * 16 + g] = o[j][0];
-            red[(warp * DSLOTS + s0 + j) * 16 + g + 8] = o[j][2];
-          }
+        if (t == 0) {
+          red[(warp * DSLOTS + s) * 16 + g] = o[0];
+          red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
         }
       }
     }
@@ -2579,9 +2610,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
     if (threadIdx.x < DSLOTS * 16) {
       const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
+      const int b0 = s * KCD, b1 = s < K ? b0 + KCD : PIECES;  // RUNS: operand s's pieces, in warps b0 / PPW .. (b1 - 1) / PPW
       float y = 0.0f;
+      if constexpr (RUNS) {
+        for (int w = b0 / PPW; w <= (b1 - 1) / PPW; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      } else {
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      }
       if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
       ys[s * 16 + r] = y;
     }
