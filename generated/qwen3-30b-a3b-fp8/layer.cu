@@ -2520,7 +2520,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // re-reads of stale activations only, above) against the groups of 4 to 8 operands unrolled
     // before: Qwen3-Next-80B-A3B 26.73 -> 26.10 us, Qwen3-30B-A3B 26.44 -> 26.11.
     // FP8 and FP4 (RUNS): warp w takes the run of PPW consecutive pieces of the flattened list from
-    // w * PPW (one or two operands' pieces, each operand waited for once), NACC pieces' products in
+    // w * PPW (each operand's pieces in it waited for once: one or two operands where PPW <= KCD), NACC pieces' products in
     // their own accumulators, added in a fixed order at the operand's end: fewer waits and dependent
     // products a warp. On the H200 (2026-11-30, N = 1, one process, 12 interleaved rounds, the same
     // weights; against one operand at a time, FP4 two): Qwen3-30B-A3B-FP8 18.97 -> 18.43 and 19.04 ->
@@ -2610,9 +2610,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
     if (threadIdx.x < DSLOTS * 16) {
       const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
-      const int b0 = s * KCD, b1 = s < K ? b0 + KCD : PIECES;  // RUNS: operand s's pieces, in warps b0 / PPW .. (b1 - 1) / PPW
       float y = 0.0f;
-      if constexpr (RUNS) {
+      if constexpr (RUNS) {  // operand s's pieces b0 .. b1 - 1 lie in the runs of warps b0 / PPW .. (b1 - 1) / PPW
+        const int b0 = s * KCD, b1 = s < K ? b0 + KCD : PIECES;
         for (int w = b0 / PPW; w <= (b1 - 1) / PPW; ++w) y += red[(w * DSLOTS + s) * 16 + r];
       } else {
 #pragma unroll
