@@ -160,6 +160,15 @@ class Tuning:
     # analytic plan) or True: on (Qwen3-30B-A3B-FP8 at N = 1: 22.8 against 25.2 us on the H200;
     # Qwen3-30B-A3B 26.9 against 27.0, its fence now off the route's path); False: never
     single_tmap: bool | None = None
+    # ... a block's down rows asked for late (single_late_down): as warp 0 starts its last round of
+    # gate/up loads, rather than as soon as the route has chosen, so that the memory streams the
+    # gate/up weights first and the down rows behind them while the activations are exchanged.
+    # None (the analytic plan): FP8 block weights only. Measured on the H200 (2026-12-01, N = 1, one
+    # process, 10-12 interleaved rounds, the same bits): Qwen3-30B-A3B-FP8 18.58 -> 17.63 and 18.50
+    # -> 17.61 us; BF16 slower (Qwen3-30B-A3B 25.70 -> 25.93, Qwen3-Next-80B-A3B 25.48 -> 25.87), and
+    # asked for one round earlier slower still; the first half of the operands early and the rest
+    # late within the spread (25.59 -> 25.55, 25.54 -> 25.49, FP8 18.50 -> 18.55).
+    single_late_down: bool | None = None
     # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
     # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
     routed_nt: int = 0
@@ -659,6 +668,15 @@ def single_tmap(c: Layer) -> bool:
     return c.tune.single_tmap is not False and c.tune.down_tiles > 1 and c.kf_e not in FP4_FORMATS
 
 
+def single_late_down(c: Layer) -> bool:
+    """Whether the one-token kernel asks for a block's down rows as warp 0 starts its last round of
+    gate/up loads rather than once the route has chosen (tuning single_late_down; None: FP8 block
+    weights, whose down rows a block takes 96 KB of at Qwen3-30B-A3B's shape, against BF16's 192 KB
+    that the copy engine then delivers too late)."""
+    v = c.tune.single_late_down
+    return c.kf_e == "fp8_block" if v is None else v
+
+
 def single_tensor_maps(c: Layer) -> tuple:
     """The tensor maps the one-token kernel copies its down rows with (single_tmap): over the packed
     down weights w2 [E][row group][chunk][tile][piece] and the shared expert's ws2 (no E), 32-bit
@@ -686,7 +704,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
-            + ("_tmap" if single_tmap(c) else "")
+            + ("_tmap" if single_tmap(c) else "") + ("_late" if single_late_down(c) else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
     kc = c.h // 32
@@ -694,7 +712,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c)))
+             _b(single_overlap(c)), _b(single_tmap(c)), _b(single_late_down(c)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),

@@ -1962,11 +1962,15 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // meanwhile: with them in flight (the first unit's, as each block's expert was chosen) the route
 // took three times as long (its shared-memory accesses queued behind them), and so did the copies
 // asked for after it. (Asking for each expert's rows as it was chosen measured 0.1-0.3 us
-// slower: the copies' issue slowed the rounds.)
+// slower: the copies' issue slowed the rounds.) LATE: the block's down rows asked for as warp 0
+// starts its last round of gate/up loads instead (moegen.families.single_late_down), the memory
+// streaming the gate/up weights first and the down rows behind them, during the activations'
+// exchange.
 // Without TAGS: logits, act, act_s, gbar;
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
-          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP>
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP,
+          bool LATE>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -2096,7 +2100,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // The shared expert's pieces of this block's first output rows do not depend on the route
   // (EARLY): asked for before it, by the thread that fenced the shared tensor map (or the last
   // warp's lane 1), while the memory is idle; request() then leaves them out of that group.
-  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE);
+  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE) && !LATE;
   // this block's output rows rb: every operand
   auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
@@ -2276,7 +2280,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                                                                            s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
-        if ((int)blockIdx.x < H / 16) request(blockIdx.x);
+        if (!LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
@@ -2300,7 +2304,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
   // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
-  if (!OVERLAP && (int)blockIdx.x < H / 16) request(blockIdx.x);
+  if (!OVERLAP && !LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
@@ -2388,7 +2392,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+    const int q_ask = max(0, q_end - P) / P * P;  // LATE: the round whose start asks for the down rows
     for (int q0 = 0; q0 < q_end; q0 += P) {
+      if (LATE && q0 == q_ask && u0 == (int)blockIdx.x && (int)blockIdx.x < H / 16) request(blockIdx.x);
 #pragma unroll
       for (int s = 0; s < P; ++s) {
         const int q = q0 + s, c = warp + (q % CPU) * WARPS;
@@ -2457,6 +2463,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
+  if (LATE && (int)blockIdx.x >= UNITS && (int)blockIdx.x < H / 16) request(blockIdx.x);  // (a block without units)
   if (!TAGS) grid_barrier(gbar, phase);
 
   // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
@@ -2736,7 +2743,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scor
 // one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n256_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_ov_mxfp4_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 256, 2, false, 16, 3, 8, true, MOE_W_MXFP4, true, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 256, 2, false, 16, 3, 8, true, MOE_W_MXFP4, true, false, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
