@@ -163,11 +163,12 @@ class Tuning:
     # ... a block's down rows asked for late (single_late_down): as warp 0 starts its last round of
     # gate/up loads, rather than as soon as the route has chosen, so that the memory streams the
     # gate/up weights first and the down rows behind them while the activations are exchanged.
-    # None (the analytic plan): FP8 block weights only. Measured on the H200 (2026-12-01, N = 1, one
-    # process, 10-12 interleaved rounds, the same bits): Qwen3-30B-A3B-FP8 18.58 -> 17.63 and 18.50
-    # -> 17.61 us; BF16 slower (Qwen3-30B-A3B 25.70 -> 25.93, Qwen3-Next-80B-A3B 25.48 -> 25.87), and
-    # asked for one round earlier slower still; the first half of the operands early and the rest
-    # late within the spread (25.59 -> 25.55, 25.54 -> 25.49, FP8 18.50 -> 18.55).
+    # None (the analytic plan): FP8 block and FP4 weights, not BF16. Measured on the H200 (2026-12-01,
+    # N = 1, one process, 10-12 interleaved rounds, the same bits): Qwen3-30B-A3B-FP8 18.58 -> 17.63
+    # and 18.50 -> 17.61 us, -NVFP4 20.43 -> 19.75, -MXFP4 20.46 -> 20.02; BF16 slower (Qwen3-30B-A3B
+    # 25.70 -> 25.93, Qwen3-Next-80B-A3B 25.48 -> 25.87), and asked for one round earlier slower
+    # still; the first half of the operands early and the rest late within the spread (25.59 ->
+    # 25.55, 25.54 -> 25.49, FP8 18.50 -> 18.55).
     single_late_down: bool | None = None
     # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
     # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
@@ -671,10 +672,10 @@ def single_tmap(c: Layer) -> bool:
 def single_late_down(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows as warp 0 starts its last round of
     gate/up loads rather than once the route has chosen (tuning single_late_down; None: FP8 block
-    weights, whose down rows a block takes 96 KB of at Qwen3-30B-A3B's shape, against BF16's 192 KB
-    that the copy engine then delivers too late)."""
+    and FP4 weights, whose down rows a block takes 96 or 48 KB of at Qwen3-30B-A3B's shape, not
+    BF16's 192 KB, which then come too late)."""
     v = c.tune.single_late_down
-    return c.kf_e == "fp8_block" if v is None else v
+    return c.kf_e != "bf16" if v is None else v
 
 
 def single_tensor_maps(c: Layer) -> tuple:

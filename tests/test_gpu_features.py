@@ -89,11 +89,11 @@ ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tunin
                      "late": Tuning(single_late_down=True), "late-barriers": Tuning(single_late_down=True, single_tags=False)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
     ("qwen3-30b-a3b-fp8", "fp8-route-block"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
-    ("qwen3-30b-a3b-fp8", "fp8-early"),
+    ("qwen3-30b-a3b-fp8", "fp8-early"), ("qwen3-30b-a3b-nvfp4", "fp4-early"), ("qwen3-30b-a3b-mxfp4", "fp4-early"),
     ("qwen3-30b-a3b-mxfp4", "fp4-route-block"), ("qwen3-30b-a3b-nvfp4", "fp4-route-block")]
 ONE_TOKEN_TUNINGS.update({"fp8-route-block": Tuning(single_overlap=False), "fp8-t1": Tuning(down_tiles=1),
                           "fp8-pieces": Tuning(single_tmap=False), "fp8-early": Tuning(single_late_down=False),
-                          "fp4-route-block": Tuning(single_overlap=False)})
+                          "fp4-route-block": Tuning(single_overlap=False), "fp4-early": Tuning(single_late_down=False)})
 
 
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
@@ -104,7 +104,8 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     piece of down rows instead of a tensor copy per operand; BF16 down rows asked for late (as
     warp 0 starts its last round of gate/up loads), with tagged words or grid barriers; FP8 block
     weights with the block's route, with one tile per group, with a bulk copy per 512-byte piece,
-    and with its down rows asked for early; MXFP4 and NVFP4 weights with the block's route) at
+    and with its down rows asked for early; MXFP4 and NVFP4 weights with the block's route, and
+    with their down rows asked for early) at
     N = 1 against the reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch

@@ -2392,7 +2392,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
-    const int q_ask = max(0, q_end - P) / P * P;  // LATE: the round whose start asks for the down rows
+    const int q_ask = (q_end - 1) / P * P;  // LATE: the last round, whose start asks for the down rows
     for (int q0 = 0; q0 < q_end; q0 += P) {
       if (LATE && q0 == q_ask && u0 == (int)blockIdx.x && (int)blockIdx.x < H / 16) request(blockIdx.x);
 #pragma unroll
