@@ -170,6 +170,13 @@ class Tuning:
     # still; the first half of the operands early and the rest late within the spread (25.59 ->
     # 25.55, 25.54 -> 25.49, FP8 18.50 -> 18.55).
     single_late_down: bool | None = None
+    # ... with BF16 weights, down by columns (single_cols): each warp streams, behind a unit's gate/up
+    # chunks, its row tiles' fragments of the unit's columns of down, and multiplies them by the
+    # unit's activations while the next unit streams; each block's partial sum of every output row,
+    # then each block's 16 rows added over the blocks' partials. None (the analytic plan) or True:
+    # where it applies; False: the activations exchanged, then each block's 16 output rows of every
+    # operand from shared memory.
+    single_cols: bool | None = None
     # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
     # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
     routed_nt: int = 0
@@ -628,7 +635,35 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     if c.kf_e in FP4_FORMATS:  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
         static += dslots * (max(c.i, c.si) // 32 * (32 if c.kf_e == "mxfp4" else 64) + (16 if c.kf_e == "nvfp4" else 0))
     smem = pieces * _single_piece(c) + red
-    return (smem, ur) if smem + static <= target.smem_per_block else None
+    if smem + static > target.smem_per_block:
+        return None
+    if single_cols(c, target):  # no down rows in shared memory (the layers whose rows fit: those measured)
+        return red, ur
+    return smem, ur
+
+
+def single_cols(c: Layer, target: Target) -> int:
+    """The one-token kernel's down by columns (tuning single_cols, on unless set) as its count of
+    unit groups, 0 where not taken. Group v takes the gate/up units v, v + VB, ... (ur of them at
+    most, VB = ceil(units / ur): a block each where the grid has as many). Each warp streams, after
+    unit k + 1's gate/up chunks, its row tiles' fragments of unit k's columns of down (16 K of every
+    output row: 16 bytes a lane and row tile, the packed layout's lanes of the unit's half chunk),
+    and multiplies them by unit k's activations once every warp has added its part (an mbarrier a
+    unit); the group's sums of every output row (the units in order) go out as one partial, and
+    each block adds its 16 rows over the VB partials in group order. So only the last unit's
+    products follow the stream, and the exchange after it is one word per group and row, where
+    down by rows exchanges every activation and then multiplies 16 rows of every operand from
+    shared memory. BF16 weights, tagged words and the overlapped route; a warp's row tiles in whole
+    column chunks (4 a chunk). Needing no shared memory for down, it would fit layers whose down
+    rows do not (single_layout still asks that they do: only those layers' one-token kernels have
+    been measured this way)."""
+    if c.tune.single_cols is False or c.kf_e != "bf16" or not single_overlap(c) or single_late_down(c):
+        return 0
+    if (c.h // 16) % (SINGLE_WARPS * 4):
+        return 0
+    units = c.k * (c.i // 16) + c.si // 16
+    ur = -(-units // target.sm_count)
+    return -(-units // ur)
 
 
 def _single_piece(c: Layer) -> int:
@@ -678,14 +713,14 @@ def single_late_down(c: Layer) -> bool:
     return c.kf_e != "bf16" if v is None else v
 
 
-def single_tensor_maps(c: Layer) -> tuple:
+def single_tensor_maps(c: Layer, target: Target) -> tuple:
     """The tensor maps the one-token kernel copies its down rows with (single_tmap): over the packed
     down weights w2 [E][row group][chunk][tile][piece] and the shared expert's ws2 (no E), 32-bit
     elements, one box = one tile's pieces of every chunk (one operand's rows of a block, contiguous
     in shared memory as the kernel reads them)."""
     from .plan import TensorMap
 
-    if not single_tmap(c):
+    if not single_tmap(c) or single_cols(c, target):
         return ()
     piece = _single_piece(c)
     t, groups = c.tune.down_tiles, c.h // (16 * c.tune.down_tiles)
@@ -705,7 +740,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
-            + ("_tmap" if single_tmap(c) else "") + ("_late" if single_late_down(c) else "")
+            + ("_cols" if single_cols(c, target) else "_tmap" if single_tmap(c) else "")
+            + ("_late" if single_late_down(c) else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
     kc = c.h // 32
@@ -713,7 +749,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c)), _b(single_late_down(c)))
+             _b(single_overlap(c)), _b(single_tmap(c) and not single_cols(c, target)), _b(single_late_down(c)),
+             str(single_cols(c, target)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
@@ -728,11 +765,12 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("bf16_t* act", "act", "ws.act"), ("bf16_t* act_s", "act_s", "ws.act_s"),
             ("bf16_t* __restrict__ out", "out", "out"), ("unsigned long long* tl", "tl", "ws.stl"),
             ("u32* tact", "tact", "ws.stact"), ("u32* epoch", "epoch", "ws.sepoch"),
-            ("const void* tmaps", "tmaps", "w.tmaps"))
+            ("unsigned long long* spart", "spart", "ws.spart"), ("const void* tmaps", "tmaps", "w.tmaps"))
     kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
                      f"one token in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
-                     + " tiles), down from shared memory (16 rows a block) + weighted sum; "
+                     + (" tiles), down by columns streamed behind them, partial sums a block; "
+                        if single_cols(c, target) else " tiles), down from shared memory (16 rows a block) + weighted sum; ")
                      + ("tagged words" if single_tags(c) else "two grid barriers"))
     return kernel, smem
 

@@ -335,7 +335,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
-        kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, nf, pf > 0), prefill_from=pf,
+        kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, target, nf, pf > 0), prefill_from=pf,
         prefill_tiles=astuple(P.tiles(c)) if pf else (),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
@@ -348,7 +348,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
         plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
                                            f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]),
-                       tensor_maps=F.single_tensor_maps(c))
+                       tensor_maps=F.single_tensor_maps(c, target))
     return plan
 
 
@@ -407,7 +407,7 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     return Bucket(nb, launches)
 
 
-def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, ...]:
+def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
@@ -435,6 +435,8 @@ def _workspace(c: F.Layer, nf: int = 0, prefill: bool = False) -> tuple[Buffer, 
         Buffer("stl", "uint64", (c.ksplit, c.rows_pad)),
         Buffer("stact", "uint32", (k * i + si,)),
         Buffer("sepoch", "uint32", (2,)),
+        # down by columns (families.single_cols): each unit group's partial sum of the output (value, epoch)
+        Buffer("spart", "uint64", (F.single_cols(c, target), h) if F.single_layout(c, target) and F.single_cols(c, target) else (1,)),
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row

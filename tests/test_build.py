@@ -687,9 +687,11 @@ def test_a_tuning_file_keeps_a_three_way_choice(tmp_path: Path):
     for value in (False, True, None):
         path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": value}))
         assert read_tuning(tmp_path, name).single_tmap is value
-    maps = {False: 0, None: 1}  # one tensor map over the routed down weights where the copies use them
-    for value, count in maps.items():
-        path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": value}))
+    # with down by rows, one tensor map over the routed down weights where the copies use them; down
+    # by columns (the analytic plan's for this layer) copies none
+    maps = {(False, False): 0, (None, False): 1, (None, None): 0}
+    for (value, cols), count in maps.items():
+        path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": value, "single_cols": cols}))
         assert len(make_plan(load_spec(QWEN), tuning=read_tuning(tmp_path, name)).tensor_maps) == count
     path.write_text(json.dumps({"warps": 4, "down_tiles": 2, "single_tmap": 0}))
     with pytest.raises(BuildError, match="single_tmap is 0, not true, false or null"):

@@ -4,6 +4,7 @@ format passes here on the GPU before its refusal in moegen/spec.py is lifted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import ml_dtypes
@@ -15,7 +16,7 @@ from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights, check_rows_fp8_
 from moegen import reference
 from moegen.build import render_all, write_dir
 from moegen.families import Tuning
-from moegen.plan import make_plan
+from moegen.plan import TARGETS, make_plan
 from moegen.runtime import load
 from moegen.spec import load_spec, parse_spec
 
@@ -84,9 +85,13 @@ def test_fused_tuning_matches_reference(name, tmp_path):
 
 ONE_TOKEN_TUNINGS = {"barriers": Tuning(single_tags=False), "barriers-t1": Tuning(single_tags=False, down_tiles=1),
                      "t1": Tuning(down_tiles=1), "plain": Tuning(single_coop=False),
-                     "route-block": Tuning(single_overlap=False), "pieces": Tuning(single_tmap=False),
-                     "route-block-pieces": Tuning(single_overlap=False, single_tmap=False),
+                     "route-block": Tuning(single_overlap=False), "rows": Tuning(single_cols=False),
+                     "rows-t1": Tuning(single_cols=False, down_tiles=1),
+                     "pieces": Tuning(single_cols=False, single_tmap=False),
+                     "route-block-pieces": Tuning(single_overlap=False, single_tmap=False), "cols-rounds": Tuning(),
                      "late": Tuning(single_late_down=True), "late-barriers": Tuning(single_late_down=True, single_tags=False)}
+# planned for twice the multiprocessors: down by columns in more unit groups than the grid's blocks
+ONE_TOKEN_TARGETS = {"cols-rounds": replace(TARGETS["sm_90a"], sm_count=264)}
 ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t in ONE_TOKEN_TUNINGS] + [
     ("qwen3-30b-a3b-fp8", "fp8-route-block"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
     ("qwen3-30b-a3b-fp8", "fp8-early"), ("qwen3-30b-a3b-nvfp4", "fp4-early"), ("qwen3-30b-a3b-mxfp4", "fp4-early"),
@@ -100,7 +105,10 @@ ONE_TOKEN_TUNINGS.update({"fp8-route-block": Tuning(single_overlap=False), "fp8-
 def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     """The one-token kernel's tunings (grid barriers instead of tagged words; one down tile per
     group, so one bulk copy per expert; a plain launch; the whole block routing before the first
-    gate/up loads (route_block) rather than warp 0 while the other warps load; one bulk copy per
+    gate/up loads (route_block) rather than warp 0 while the other warps load; down by rows (each
+    block's 16 output rows of every operand after the activations' exchange) instead of by
+    columns, with one tile a group too; down by columns planned for twice the multiprocessors
+    (more unit groups than blocks: the later groups in rounds); one bulk copy per
     piece of down rows instead of a tensor copy per operand; BF16 down rows asked for late (as
     warp 0 starts its last round of gate/up loads), with tagged words or grid barriers; FP8 block
     weights with the block's route, with one tile per group, with a bulk copy per 512-byte piece,
@@ -111,8 +119,10 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     import torch
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
-    plan = make_plan(spec, tuning=ONE_TOKEN_TUNINGS[variant])
-    assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
+    plan = make_plan(spec, ONE_TOKEN_TARGETS.get(variant), tuning=ONE_TOKEN_TUNINGS[variant])
+    kernel = plan.kernel(plan.buckets[0].launches[-1].kernel)
+    assert kernel.family == "single"
+    assert ("_cols" in kernel.name) == (variant in ("t1", "plain", "cols-rounds")), kernel.name
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
     layer = load(tmp_path / spec.name, dev_w)

@@ -250,7 +250,7 @@ def test_layers_of_one_compiled_output_share_their_loaded_code(fake_cuda):
 
 def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda):
     """The N = 1 bucket of a BF16 layer whose 16 down rows per chosen expert fit in a block's
-    shared memory is one kernel, launched cooperatively on one block per multiprocessor of the
+    shared memory (down by columns takes none, by rows those rows) is one kernel, launched cooperatively on one block per multiprocessor of the
     device, with its shared memory allowed at load; other layers (and the tunings single=False
     and, for an FP8 layer, single_fp8=False, and batch_invariant specs: one reduction order for
     every N) keep the three kernels."""
@@ -258,7 +258,10 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     qwen = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
     (ln,) = make_plan(qwen).buckets[0].launches
     assert make_plan(qwen).kernel(ln.kernel).family == "single" and ln.grid == ("sms", 1) and ln.coop
-    assert 192 * 1024 < ln.smem <= 227 * 1024  # 8 experts x 16 rows x 768 of down, and the activations
+    # down by columns: no down rows in shared memory, only the gate/up sums (3 units x 16 warps x 32 floats)
+    assert "_cols" in ln.kernel and 6 * 1024 <= ln.smem < 16 * 1024
+    (rows,) = make_plan(qwen, tuning=Tuning(single_cols=False)).buckets[0].launches
+    assert 192 * 1024 < rows.smem <= 227 * 1024  # by rows: 8 experts x 16 rows x 768 of down, and the activations
     for spec, tuning in ((qwen, Tuning(single=False)), (load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml"), None),
                          (load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml"), Tuning(single_fp8=False)),
                          (parse_spec({**qwen.model_dump(mode="json", exclude_none=True), "batch_invariant": True},
@@ -285,19 +288,22 @@ def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fa
     """The one-token kernel with tagged words (the partial logits and the activations written with
     the call's epoch and read until every one is this call's; the analytic plan's), with grid
     barriers (tuning single_tags false), with the route overlapped with the first gate/up loads
-    (single_overlap, the analytic plan's) and without, compiles without spills for both catalog
-    layers that take it, fits its shared memory, and gets its tagged buffers."""
+    (single_overlap, the analytic plan's) and without, and down by columns (single_cols, the
+    analytic plan's for BF16), compiles without spills for both catalog layers that take it, fits
+    its shared memory, and gets its tagged buffers."""
     from moegen.build import render_all
     from moegen.nvrtc import compile_cuda
 
-    for name, tags, ov in (("qwen3-30b-a3b", True, True), ("qwen3-next-80b-a3b", True, True),
-                           ("qwen3-30b-a3b", False, False), ("qwen3-next-80b-a3b", True, False)):
+    for name, tags, ov, cols in (("qwen3-30b-a3b", True, True, False), ("qwen3-next-80b-a3b", True, True, False),
+                                 ("qwen3-30b-a3b", False, False, False), ("qwen3-next-80b-a3b", True, False, False),
+                                 ("qwen3-30b-a3b", True, True, True), ("qwen3-next-80b-a3b", True, True, True)):
         spec = load_spec(ROOT / "specs" / f"{name}.yaml")
-        plan = make_plan(spec, tuning=Tuning(single_tags=tags, single_overlap=ov, single_tmap=True))
+        plan = make_plan(spec, tuning=Tuning(single_tags=tags, single_overlap=ov, single_tmap=True, single_cols=cols))
         (ln,) = plan.buckets[0].launches
         k = plan.kernel(ln.kernel)
-        assert ("_barriers_" in k.name) != tags and ("_ov_" in k.name) == ov and "_tmap_" in k.name
-        assert k.arg_keys[-4:] == ("ws.stl", "ws.stact", "ws.sepoch", "w.tmaps")
+        assert ("_barriers_" in k.name) != tags and ("_ov_" in k.name) == ov
+        assert ("_cols_" in k.name) == cols and ("_tmap_" in k.name) != cols  # down by columns copies no rows
+        assert k.arg_keys[-5:] == ("ws.stl", "ws.stact", "ws.sepoch", "ws.spart", "w.tmaps")
         res = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch).resources[k.name]
         assert res.spill_stores == res.spill_loads == res.stack_bytes == 0
         assert ln.smem + res.smem_bytes <= 227 * 1024
@@ -325,7 +331,7 @@ def test_one_token_tensor_maps_read_what_one_copy_per_piece_reads():
 
     for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "qwen3-30b-a3b-fp8"):
         spec = load_spec(ROOT / "specs" / f"{name}.yaml")
-        plan = make_plan(spec, tuning=Tuning(single_tmap=True))
+        plan = make_plan(spec, tuning=Tuning(single_tmap=True, single_cols=False))  # (down by columns copies no rows)
         assert [m.weight for m in plan.tensor_maps] == ["w2"] + (["ws2"] if plan.shared_inter else [])
         for m in plan.tensor_maps:
             pw = next(w for w in plan.weights if w.name == m.weight)
@@ -348,7 +354,7 @@ def test_tensor_maps_are_encoded_over_each_layers_own_weights(fake_cuda):
     copy of another layer's (moegen bench's stacks): encoded again over the copy."""
     drv, _ = fake_cuda
     spec = dict(SPECS)["shared_gate"]
-    plan = make_plan(spec, tuning=Tuning(single_tmap=True))
+    plan = make_plan(spec, tuning=Tuning(single_tmap=True, single_cols=False))
     assert [m.weight for m in plan.tensor_maps] == ["w2", "ws2"]
     first, second = _layer(plan), _layer(plan)
     first.load_weights(_host_weights(plan))

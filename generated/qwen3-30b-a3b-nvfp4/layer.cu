@@ -1970,7 +1970,7 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
           int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP,
-          bool LATE>
+          bool LATE, int VB>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -1980,7 +1980,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                             const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
                             int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
                             bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch,
-                            const void* tmaps) {
+                            unsigned long long* spart, const void* tmaps) {
   constexpr int THREADS = WARPS * 32;
   constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
   constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's 16 down rows x 32 K of one chunk (BF16 1 KB,
@@ -2020,6 +2020,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                              RouteRule::ZERO == 0 && !RouteRule::EP;
   constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
+  // COLS (VB unit groups, moegen.families.single_cols): down by columns. Group v (block v, or in
+  // rounds where the grid has fewer blocks) takes the gate/up units v, v + VB, ... (nu <= UR). Each
+  // warp's stream holds, besides its chunks of the units' gate/up weights, its row tiles' fragments
+  // of the units' columns of down (a unit's 16 K of every output row): G0, G1, C0, G2, C1, ...,
+  // C(nu - 1), so that unit k's columns arrive once every warp has added its part of unit k's
+  // gate/up (an mbarrier a unit), and are multiplied by its activations (each warp computes them
+  // from the warps' sums) while the next unit streams. A warp's row tiles' sums over the units go
+  // to shared memory, then to the group's partial sum of every output row (tagged words, spart
+  // [VB][H]); each block then adds its rows' VB partials in group order.
+  constexpr bool COLS = VB > 0;
+  constexpr int RT = H / 16, RTW = RT / WARPS, CC = RTW / 4;  // row tiles, a warp's, its column chunks a unit
+  static_assert(!COLS || (FMT == MOE_W_BF16 && TAGS && OVERLAP && !LATE && RTW % 4 == 0),
+                "down by columns: BF16, tagged words, the overlapped route, whole column chunks a warp");
   static_assert(KC % WARPS == 0, "gate/up chunks split evenly over the warps");
   // P chunks in flight per warp: a divisor of a unit's (every round of P one unit's or several
   // whole units'), or (FP4's 512-byte chunks, more of them in flight) any, the rounds past the
@@ -2031,12 +2044,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
   extern __shared__ __align__(128) uint4 dyn[];
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
-  float* red = reinterpret_cast<float*>(dyn + PIECES * PU4);
+  float* red = reinterpret_cast<float*>(dyn + (COLS ? 0 : PIECES * PU4));
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
   // OVERLAP: the route's mbarrier (every choice made), warp 0's 32 lanes arriving
   __shared__ __align__(8) unsigned long long route_mem[1];
   // TAGS: the partial logits (route), then the activations (down), staged here
-  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && 4 * NLOG > 2 * NACT ? 4 * NLOG : 2 * NACT;
+  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && (COLS || 4 * NLOG > 2 * NACT) ? 4 * NLOG : 2 * NACT;
   __shared__ __align__(16) unsigned char s_stage[STAGE];
   // FP8: the block scales of this block's down rows, [operand][128-wide K block]
   constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
@@ -2046,6 +2059,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
   float* s_log = reinterpret_cast<float*>(s_stage);
   __shared__ int s_ids[K];
+  __shared__ float s_cpart[COLS ? H : 1];  // COLS: the group's sums of every output row (each warp its row tiles')
+  __shared__ __align__(8) unsigned long long ubar_mem[COLS ? UR : 1];  // COLS: unit k's gate/up summed by every warp
   __shared__ float s_w[K], s_gate[1];
   // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
   // gate's logit; OVERLAP: the sum over every expert that route_weights may need
@@ -2056,8 +2071,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
   const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: every choice made
+  const u32 ubar = (u32)__cvta_generic_to_shared(ubar_mem);  // COLS: unit k's: ubar + 8 * k
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
+    if (COLS)
+      for (int k = 0; k < UR; ++k) mbar_init(ubar + 8 * k, THREADS);
     if (OVERLAP) mbar_init(rbar, 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -2100,7 +2118,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // The shared expert's pieces of this block's first output rows do not depend on the route
   // (EARLY): asked for before it, by the thread that fenced the shared tensor map (or the last
   // warp's lane 1), while the memory is idle; request() then leaves them out of that group.
-  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE) && !LATE;
+  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE) && !LATE && !COLS;
   // this block's output rows rb: every operand
   auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
@@ -2280,11 +2298,15 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                                                                            s_vall, &s_gl);
     } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
-        if (!LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
+        if (!LATE && !COLS && (int)blockIdx.x < H / 16) request(blockIdx.x);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
                 OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
                          after, s_cand, s_cscore);
+      if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
+        __syncwarp();
+        route_weights<K, RouteRule>(s_pick, s_all, s_w);
+      }
     }
   } else {
     static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
@@ -2309,8 +2331,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
   // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
   // experts take them)
-  for (int u0 = blockIdx.x; u0 < UNITS; u0 += UR * gridDim.x) {
-    const int nu = min(UR, (UNITS - u0 + (int)gridDim.x - 1) / (int)gridDim.x);  // units this round
+  // (COLS: round = unit group u0, its units u0 + k * VB)
+  const int ustride = COLS ? VB : (int)gridDim.x;
+  u32 cpar = 0;  // COLS: the units' mbarriers' phase
+  for (int u0 = blockIdx.x; COLS ? u0 < VB : u0 < UNITS; u0 += COLS ? (int)gridDim.x : UR * (int)gridDim.x) {
+    const int nu = min(UR, (UNITS - u0 + ustride - 1) / ustride);  // units this round
     // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
     // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) or (FP4) its tile's scales (bytes: MX s13
     // [E][tile][chunk][gate, up][16 rows]; NV per tile [chunk][gate, up][2][16 rows], then the two
@@ -2319,7 +2344,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const uint4* ub[UR];
     u32 so[UR];
     auto unit_base = [&](int k) {
-      const int u = u0 + k * gridDim.x;
+      const int u = u0 + k * ustride;
       if (u < K * TI) {
         const int e = s_ids[u / TI];
         ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
@@ -2360,6 +2385,134 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       return (u32)__ldg(b) | (u32)__ldg(b + 32) << 8 | (u32)__ldg(b + 8) << 16 | (u32)__ldg(b + 40) << 24;
     };
     unit_base(0);
+    if constexpr (COLS) {
+      // slot q of this warp's stream: a gate/up chunk (G) or a column chunk (C) of unit k, its i-th
+      const int q_end = nu * (CPU + CC);
+      auto slot = [&](int q, int& k, int& i) -> bool {  // true: a column chunk
+        if (q < CPU) {
+          k = 0;
+          i = q;
+          return false;
+        }
+        const int r = q - CPU, blk = r / (CPU + CC), off = r % (CPU + CC);
+        if (blk < nu - 1 && off < CPU) {
+          k = blk + 1;
+          i = off;
+          return false;
+        }
+        k = blk;
+        i = blk < nu - 1 ? off - CPU : off;
+        return true;
+      };
+      // unit k's column fragment of row tile rt for lane (g, t): the packed down weights' lane (g, 2 h +
+      // t / 2) of k-step t & 1 in the unit's chunk c = j / 2 (h = j & 1): an m16n8k16 A fragment over
+      // the unit's 16 K in the order 4 t + (0, 1), 4 t + (2, 3), whose B is activations 4 t .. 4 t + 3
+      auto col = [&](int k, int rt) -> const uint4* {
+        const int u = u0 + k * VB, j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
+        const int grp = rt / TPB, lo = ((rt % TPB) * 2 + (t & 1)) * 32 + g * 4 + 2 * h + (t >> 1);
+        if (u < K * TI) return w2 + (((size_t)s_ids[u / TI] * (H / (16 * TPB)) + grp) * KCD + c) * AUD * 32 + lo;
+        return ws2 + ((size_t)grp * KCDS + c) * AUD * 32 + lo;
+      };
+#pragma unroll
+      for (int k = 1; k < UR; ++k)
+        if (k < nu) unit_base(k);
+      uint4 buf[P][4];
+      auto load = [&](int q, uint4 (&b)[4]) {
+        if (q < q_end) {
+          int k, i;
+          if (slot(q, k, i)) {
+#pragma unroll
+            for (int f = 0; f < 4; ++f) b[f] = __ldcs(col(k, warp + (i * 4 + f) * WARPS));
+          } else {
+            const uint4* a = weights(k) + (size_t)(warp + i * WARPS) * GCU + lane;
+#pragma unroll
+            for (int f = 0; f < 4; ++f) b[f] = __ldcs(a + f * 32);
+          }
+        }
+      };
+#pragma unroll
+      for (int s = 0; s < P; ++s) load(s, buf[s]);
+      float acc[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+      uint2 cb = make_uint2(0u, 0u);  // the column unit's activations (lanes g = 0) and weight
+      float cw = 0.0f;
+      for (int q0 = 0; q0 < q_end; q0 += P) {
+#pragma unroll
+        for (int s = 0; s < P; ++s) {
+          const int q = q0 + s;
+          if (q >= q_end) break;
+          int k, i;
+          const bool is_col = slot(q, k, i);
+          if (is_col) {
+            if (i == 0) {  // unit k's activations from every warp's sums, in warp order (each warp computes them)
+              mbar_wait(ubar + 8 * k, cpar);
+              const int u = u0 + k * VB;
+              u32 a = 0;
+              if (lane < 16) {
+                float gv = 0.0f, uv = 0.0f;
+                for (int w = 0; w < WARPS; ++w) {
+                  gv += red[(k * WARPS + w) * 32 + lane];
+                  uv += red[(k * WARPS + w) * 32 + 16 + lane];
+                }
+                a = (u32)(u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv)));
+              }
+              const u32 a0 = __shfl_sync(0xffffffffu, a, 4 * t), a1 = __shfl_sync(0xffffffffu, a, 4 * t + 1);
+              const u32 a2 = __shfl_sync(0xffffffffu, a, 4 * t + 2), a3 = __shfl_sync(0xffffffffu, a, 4 * t + 3);
+              cb = g == 0 ? make_uint2(a0 | a1 << 16, a2 | a3 << 16) : make_uint2(0u, 0u);
+              cw = u < K * TI ? s_w[u / TI] : (SHARED_GATE ? s_gate[0] : 1.0f);
+            }
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+              float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_bf16(tmp, buf[s][f], cb.x, cb.y);
+              if (t == 0) {  // rows g, g + 8 of row tile rt: the units in order, each times its weight
+                float* y = s_cpart + (warp + (i * 4 + f) * WARPS) * 16 + g;
+                y[0] = k == 0 ? cw * tmp[0] : fmaf(cw, tmp[0], y[0]);
+                y[8] = k == 0 ? cw * tmp[2] : fmaf(cw, tmp[2], y[8]);
+              }
+            }
+          } else {
+            const int c = warp + i * WARPS;
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+              mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+            }
+          }
+          load(q + P, buf[s]);
+          if (!is_col && i == CPU - 1) {  // the end of unit k's gate/up: this warp's sums, its arrival
+            if (t == 0) {
+              float* rk = red + (k * WARPS + warp) * 32;
+#pragma unroll
+              for (int m = 0; m < 2; ++m) {
+                rk[m * 16 + g] = acc[m][0];
+                rk[m * 16 + g + 8] = acc[m][2];
+              }
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+            mbar_arrive(ubar + 8 * k);
+          }
+        }
+      }
+      cpar ^= 1;
+      if (t == 0) {  // this group's partial sums of this warp's row tiles (its own writes)
+        const unsigned long long tag = (unsigned long long)ep << 32;
+#pragma unroll 1
+        for (int rt = warp; rt < RT; rt += WARPS) {
+          st_tagged(spart + (size_t)u0 * H + rt * 16 + g, tag | __float_as_uint(s_cpart[rt * 16 + g]));
+          st_tagged(spart + (size_t)u0 * H + rt * 16 + g + 8, tag | __float_as_uint(s_cpart[rt * 16 + g + 8]));
+        }
+      }
+      if (u0 + (int)gridDim.x < VB) __syncthreads();  // (fewer blocks than groups) red and the mbarriers again
+      continue;
+    }
     // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
     // their FP8 or FP4 scales)
     const int q_end = nu * CPU;
@@ -2465,6 +2618,53 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   if (LATE && (int)blockIdx.x >= UNITS && (int)blockIdx.x < H / 16) request(blockIdx.x);  // (a block without units)
   if (!TAGS) grid_barrier(gbar, phase);
+
+  if constexpr (COLS) {
+    // 4. (COLS) block b's output rows 16 rb .. 16 rb + 15, rb = b, b + blocks, ...: each row's VB
+    // partials loaded until every one is this call's; thread (j0, r) adds groups j0, j0 + JW, ...
+    // in order, then row r adds the JW sums in order: a fixed order for every grid.
+    if (blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+    constexpr int JW = THREADS / 16, PV = (VB + JW - 1) / JW;
+    const int r = threadIdx.x & 15, j0 = threadIdx.x >> 4;
+    for (int rb = blockIdx.x; rb < RT; rb += gridDim.x) {
+      float v[PV];
+      bool done[PV];
+#pragma unroll
+      for (int i = 0; i < PV; ++i) {
+        done[i] = j0 + i * JW >= VB;
+        v[i] = 0.0f;
+      }
+      for (;;) {
+        bool stale = false;
+        unsigned long long q[PV];
+#pragma unroll
+        for (int i = 0; i < PV; ++i)
+          if (!done[i]) q[i] = ld_tagged(spart + (size_t)(j0 + i * JW) * H + rb * 16 + r);
+#pragma unroll
+        for (int i = 0; i < PV; ++i) {
+          if (!done[i]) {
+            done[i] = (u32)(q[i] >> 32) == ep;
+            stale |= !done[i];
+            v[i] = __uint_as_float((u32)q[i]);
+          }
+        }
+        if (!__syncthreads_or(stale)) break;
+        __nanosleep(64);
+      }
+      float y = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PV; ++i)
+        if (j0 + i * JW < VB) y += v[i];
+      red[j0 * 16 + r] = y;
+      __syncthreads();
+      if (threadIdx.x < 16) {
+        float o = 0.0f;
+        for (int j = 0; j < JW; ++j) o += red[j * 16 + threadIdx.x];
+        out[rb * 16 + threadIdx.x] = f32_to_bf16(o);
+      }
+      __syncthreads();
+    }
+  } else {
 
   // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
   // memory by the whole block: (TAGS) loaded until every one carries this call's epoch (each
@@ -2639,6 +2839,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
+  }  // (not COLS)
   if (TAGS && blockIdx.x == 0 && threadIdx.x == 0) {  // every block has read the epoch: advance it
     u32 n;
     do {
@@ -2742,8 +2943,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scor
 #endif
 // one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n256_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_ov_late_nvfp4_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, const void* tmaps) {
-  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 256, 2, false, 16, 3, 8, true, MOE_W_NVFP4, true, false, true>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, tmaps);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n256_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_ov_late_nvfp4_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 256, 2, false, 16, 3, 8, true, MOE_W_NVFP4, true, false, true, 0>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
