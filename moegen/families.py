@@ -620,8 +620,7 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     cpu = kc // SINGLE_WARPS
     if kc % SINGLE_WARPS or cpu % _inflight(cpu):
         return None
-    units = c.k * (c.i // 16) + c.si // 16
-    ur = -(-units // target.sm_count)
+    units, ur = _single_units(c, target)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
     red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
@@ -661,9 +660,15 @@ def single_cols(c: Layer, target: Target) -> int:
         return 0
     if (c.h // 16) % (SINGLE_WARPS * 4):
         return 0
-    units = c.k * (c.i // 16) + c.si // 16
-    ur = -(-units // target.sm_count)
+    units, ur = _single_units(c, target)
     return -(-units // ur)
+
+
+def _single_units(c: Layer, target: Target) -> tuple[int, int]:
+    """The one-token kernel's gate/up units (16 rows of one chosen expert or of the shared expert)
+    and the most a block takes in one round (one round where the grid has the target's blocks)."""
+    units = c.k * (c.i // 16) + c.si // 16
+    return units, -(-units // target.sm_count)
 
 
 def _single_piece(c: Layer) -> int:
@@ -737,10 +742,11 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
     """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
     smem, ur = single_layout(c, target)
     ks = single_ksplit(c)
+    vb = single_cols(c, target)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
-            + ("_cols" if single_cols(c, target) else "_tmap" if single_tmap(c) else "")
+            + ("_cols" if vb else "_tmap" if single_tmap(c) else "")
             + ("_late" if single_late_down(c) else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
             + f"_{c.spec.arch}")
@@ -749,8 +755,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c) and not single_cols(c, target)), _b(single_late_down(c)),
-             str(single_cols(c, target)))
+             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
@@ -770,7 +775,7 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
                      f"one token in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
                      + (" tiles), down by columns streamed behind them, partial sums a block; "
-                        if single_cols(c, target) else " tiles), down from shared memory (16 rows a block) + weighted sum; ")
+                        if vb else " tiles), down from shared memory (16 rows a block) + weighted sum; ")
                      + ("tagged words" if single_tags(c) else "two grid barriers"))
     return kernel, smem
 

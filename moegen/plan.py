@@ -411,6 +411,7 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
+    vb = F.single_cols(c, target) if F.single_layout(c, target) else 0  # down by columns' unit groups
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
@@ -436,7 +437,7 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
         Buffer("stact", "uint32", (k * i + si,)),
         Buffer("sepoch", "uint32", (2,)),
         # down by columns (families.single_cols): each unit group's partial sum of the output (value, epoch)
-        Buffer("spart", "uint64", (F.single_cols(c, target), h) if F.single_layout(c, target) and F.single_cols(c, target) else (1,)),
+        Buffer("spart", "uint64", (vb, h) if vb else (1,)),
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row
