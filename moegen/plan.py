@@ -397,7 +397,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
         *head,
         *((Launch(add(xq), (F.quant_blocks(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
-        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared)), (slots * (c.i // 16) + c.si // 16, 1),
+        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared, F.gate_up_wave(
+            c, target, nt_routed, nt_shared, gu_grid := slots * (c.i // 16) + c.si // 16))), (gu_grid, 1),
                gate_up.threads, pdl=True),
         *((Launch(add(aq), (F.quant_blocks(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
           if (aq := F.act_quant_kernel(c, "act")) else ()),

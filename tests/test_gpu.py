@@ -316,6 +316,11 @@ def test_batch_invariance(case: Case):
     mixed = torch.cat([x[40:43], five.flip(0)]).contiguous()
     a, b = _run(case, five, torch), _run(case, mixed, torch)
     assert torch.equal(b[3:].flip(0).view(torch.int16), a.view(torch.int16))
+    if big >= 4:  # bucket 4: 3 tokens alone vs the same 3 after another
+        three = x[:3].contiguous()
+        four = torch.cat([x[big - 1:big], three.flip(0)]).contiguous()
+        a, b = _run(case, three, torch), _run(case, four, torch)
+        assert torch.equal(b[1:].flip(0).view(torch.int16), a.view(torch.int16)), "bucket 4"
     if case.plan.prefill_from:  # the first prefill bucket: its smallest N among its largest N's tokens
         lo, hi = _prefill_ends(case.plan)
         xp = torch.randn(hi, case.plan.hidden, device="cuda", dtype=torch.bfloat16)

@@ -1811,13 +1811,13 @@ static_assert(6 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sqrt_softplus over 256 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x1.5; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 6, 1, 256, false, 256, 0>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1828,10 +1828,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt1
   router_logits_body<128, 1, 4, 8, 16, 256, 256, true, 256, 6, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
+// gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles; rings of 3 chunks a warp, 7 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_bf16_si2048_nts1_bf16_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<128, 1, 1, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128, 7) moe_gate_up_e256_h4096_i2048_nt1_bf16_si2048_nts1_bf16_silu_gated_l10_b7_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 1, 1, 4, 3, 3, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 256 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
@@ -1840,14 +1840,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
   down_body<64, 64, 1, 1, 4, 4, 4, 2, 128, 4096, 6, false, MOE_W_BF16, MOE_W_BF16, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 256 rows x 4096, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+// gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
 #if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_bf16_si2048_nts1_bf16_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 1, 1, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+#endif
+// router: 256 rows x 4096, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 4, 4, 4, 16, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_bf16_si2048_nts2_bf16_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 2, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1859,7 +1865,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_bf16_si2048_nts4_bf16_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 4, 4, 4, 3, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1871,7 +1877,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt2_bf16_si2048_nts4_bf16_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 2, 4, 4, 4, 3, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }

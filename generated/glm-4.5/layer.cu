@@ -1811,13 +1811,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sigmoid over 160 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_route_e160_k8_sigmoid_scores_cbias_renorm_x2p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<160, 160, 8, 1, 256, false, 256, 0>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1828,16 +1828,22 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h5120_ks16_nt1
   router_logits_body<160, 1, 4, 8, 16, 160, 256, true, 160, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
+// gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles; rings of 3 chunks a warp, 7 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<160, 1, 1, 4, 4, 4, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128, 7) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts1_bf16_silu_gated_b7_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<160, 1, 1, 4, 3, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 320 tiles of 1536 + shared (1536); the last block of each tile writes the weighted sum
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_nt1_bf16_si1536_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<48, 48, 1, 1, 4, 4, 4, 2, 160, 5120, 8, false, MOE_W_BF16, MOE_W_BF16, 160, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+#endif
+// gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<160, 1, 1, 4, 4, 4, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // router: 160 rows x 5120, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
@@ -1847,7 +1853,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h5120_ks16_nt4
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 1, 2, 4, 4, 4, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1859,7 +1865,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 1, 4, 4, 4, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1871,7 +1877,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt2_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 2, 4, 4, 4, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1883,7 +1889,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt4_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 4, 4, 4, 3, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }

@@ -1811,7 +1811,7 @@ static_assert(4 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
@@ -1828,10 +1828,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2880_ks18_nt1
   router_logits_body<90, 1, 4, 8, 18, 128, 256, true, 128, 4, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
+// gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles; rings of 3 chunks a warp, 7 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2880_i2880_nt1_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
-  gate_up_body<90, 1, 1, 4, 4, 4, 180, 0, 2880, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
+extern "C" __global__ void __launch_bounds__(128, 7) moe_gate_up_e128_h2880_i2880_nt1_bf16_swiglu_clamped_a1p702_l7_bias_b7_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
+  gate_up_body<90, 1, 1, 4, 3, 3, 180, 0, 2880, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
 }
 #endif
 // down: expert slots x 180 tiles of 2880; the last block of each tile writes the weighted sum
@@ -1840,14 +1840,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2880_i2880_k4_n
   down_body<90, 0, 1, 1, 4, 4, 4, 2, 90, 2880, 4, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down);
 }
 #endif
+// gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2880_i2880_nt1_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
+  gate_up_body<90, 1, 1, 4, 4, 4, 180, 0, 2880, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
+}
+#endif
 // router: 128 rows x 2880, K split 18 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2880_ks18_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<90, 4, 4, 4, 18, 128, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + swiglu_clamped_a1p702_l7_bias: expert slots x 180 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2880_i2880_nt2_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
   gate_up_body<90, 2, 2, 4, 4, 4, 180, 0, 2880, 1, MOE_W_BF16, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up);
 }

@@ -2445,16 +2445,22 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h4096_ks32_nt1_
   router_logits_body<128, 1, 4, 8, 32, 16, 256, true, 16, 2, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 400 tiles
+// gate/up + silu_gated: expert slots x 400 tiles; rings of 3 chunks a warp, 7 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e16_h4096_i6400_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<128, 1, 1, 4, 4, 4, 400, 0, 6400, 1, MOE_W_BF16, MOE_W_BF16, 16>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128, 7) moe_gate_up_e16_h4096_i6400_nt1_bf16_silu_gated_b7_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 1, 1, 4, 3, 3, 400, 0, 6400, 1, MOE_W_BF16, MOE_W_BF16, 16>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 256 tiles of 6400; the last block of each tile writes the weighted sum
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e16_h4096_i6400_k2_nt1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<200, 0, 1, 1, 4, 4, 4, 2, 128, 4096, 2, false, MOE_W_BF16, MOE_W_BF16, 16, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+#endif
+// gate/up + silu_gated: expert slots x 400 tiles
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e16_h4096_i6400_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 1, 1, 4, 4, 4, 400, 0, 6400, 1, MOE_W_BF16, MOE_W_BF16, 16>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // router: 16 rows x 4096, K split 32 ways, 32 tokens per pass; each tile's last block adds its partials
@@ -2464,7 +2470,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h4096_ks32_nt4_
 }
 #endif
 // gate/up + silu_gated: expert slots x 400 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e16_h4096_i6400_nt2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 2, 2, 4, 4, 4, 400, 0, 6400, 1, MOE_W_BF16, MOE_W_BF16, 16>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2476,7 +2482,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e16_h4096_i6400_k2_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 400 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e16_h4096_i6400_nt4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 4, 4, 4, 3, 3, 400, 0, 6400, 1, MOE_W_BF16, MOE_W_BF16, 16>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2488,13 +2494,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e16_h4096_i6400_k2_nt
 }
 #endif
 // router: 16 rows x 4096, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r16_h4096_ks1_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 4, 4, 4, 1, 16, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h4096_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 4096, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
@@ -2506,7 +2512,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e16_k2_sm_9
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e16_k2_r128_n256_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 2 + 1023) / 1024, 16, 128, 20, first, tiles);
 }

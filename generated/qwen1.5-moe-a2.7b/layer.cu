@@ -1811,13 +1811,13 @@ static_assert(4 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: softmax over 60 experts (fp32 logits) -> top-4; one token per warp, the last block groups the tokens by expert
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_route_e60_k4_softmax_scores_sgate_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<60, 64, 4, 1, 256, true, 256, 0>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -1828,10 +1828,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_
   router_logits_body<64, 1, 4, 8, 16, 64, 256, true, 60, 4, true>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
+// gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles; rings of 3 chunks a warp, 7 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 1, 1, 4, 4, 4, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128, 7) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts1_bf16_silu_gated_b7_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 1, 1, 4, 3, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (5632); the last block of each tile writes the weighted sum
@@ -1840,14 +1840,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
   down_body<44, 176, 1, 1, 4, 4, 4, 2, 64, 2048, 4, true, MOE_W_BF16, MOE_W_BF16, 60, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 64 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+// gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
 #if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 1, 1, 4, 4, 4, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+#endif
+// router: 64 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 64, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 2, 4, 4, 4, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1859,7 +1865,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt1_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 4, 4, 4, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1871,7 +1877,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt2_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 4, 4, 4, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1883,7 +1889,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt3_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 3, 4, 4, 3, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1895,7 +1901,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e60_h2048_i1408_k4_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 352 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e60_h2048_i1408_nt4_bf16_si5632_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 3, 88, 352, 1408, 5632, MOE_W_BF16, MOE_W_BF16, 60>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }

@@ -2428,7 +2428,7 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
@@ -2446,19 +2446,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1
 }
 #endif
 // x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h2048_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
   act_quant_body<2048, 256>(src, q, s, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<64, 1, 1, 4, 5, 5, 48, 0, 768, 1, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
 #endif
 // the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_i768k8_sm_90a(const bf16_t* __restrict__ act, bf16_t* __restrict__ actq, float* __restrict__ sa, const bf16_t* __restrict__ act_s, bf16_t* __restrict__ actq_s, float* __restrict__ sas, int n) {
   act_quant2_body<768, 8, 128, 0, 256>(act, actq, sa, act_s, actq_s, sas, n);
 }
@@ -2469,20 +2469,26 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
   down_body<24, 0, 1, 1, 4, 5, 5, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
 #endif
+// gate/up + silu_gated: expert slots x 48 tiles; rings of 4 chunks a warp, 6 blocks a multiprocessor
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128, 6) moe_gate_up_e128_h2048_i768_nt1_fp8_block_a8_silu_gated_b6_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
+  gate_up_body<64, 1, 1, 4, 4, 4, 48, 0, 768, 1, MOE_W_FP8_BLOCK_A8, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
+}
+#endif
 // router: 128 rows x 2048, K split 1 ways, 16 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt2_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 2, 4, 6, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h2048_sm_90a(const bf16_t* __restrict__ x, unsigned char* __restrict__ xq, float* __restrict__ sx, int n) {
   prefill_quant_body(x, xq, sx, 2048, n);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 128, counts);
 }
@@ -2494,7 +2500,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
@@ -2506,7 +2512,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8
 }
 #endif
 // prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i768_k8_sm_90a(const bf16_t* __restrict__ h, unsigned char* __restrict__ hq, float* __restrict__ sa, int n) {
   prefill_quant_body(h, hq, sa, 768, n * 8);
 }
@@ -2524,7 +2530,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_s
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }

@@ -3547,7 +3547,7 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
@@ -3570,10 +3570,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1
   router_logits_body<64, 1, 4, 8, 16, 128, 16384, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 48 tiles
+// gate/up + silu_gated: expert slots x 48 tiles; rings of 6 chunks a warp, 6 blocks a multiprocessor
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 1, 1, 4, 7, 7, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+extern "C" __global__ void __launch_bounds__(128, 6) moe_gate_up_e128_h2048_i768_nt1_fp8_block_silu_gated_b6_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 1, 1, 4, 6, 6, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
@@ -3582,14 +3582,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
   down_body<24, 0, 1, 1, 4, 7, 7, 2, 64, 2048, 8, false, MOE_W_FP8_BLOCK, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+// gate/up + silu_gated: expert slots x 48 tiles
 #if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt1_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<64, 1, 1, 4, 7, 7, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+#endif
+// router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 2, 4, 5, 5, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3601,7 +3607,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_fp8_block_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 4, 4, 4, 3, 3, 48, 0, 768, 1, MOE_W_FP8_BLOCK, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3613,7 +3619,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -3625,7 +3631,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h2048_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 128, counts);
 }
@@ -3637,7 +3643,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
@@ -3655,7 +3661,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
 }
