@@ -698,6 +698,20 @@ def test_a_tuning_file_keeps_a_three_way_choice(tmp_path: Path):
         read_tuning(tmp_path, name)
 
 
+def test_gate_up_grids_of_one_wave_take_a_shallower_ring():
+    """Qwen3-30B-A3B's N = 2 gate/up grid (16 expert slots x 48 tiles = 768 blocks) is more than
+    the 132 x 5 blocks of 4-chunk rings (40 KB each) a multiprocessor holds and no more than the
+    132 x 7 of 3-chunk rings (30 KB): that bucket's kernel has 3 chunks a warp and asks for 7 blocks;
+    N = 4 (1536 blocks, more than either) and N = 8 keep the full ring."""
+    plan = make_plan(load_spec(QWEN))
+    gate_up = {b.max_tokens: plan.kernel(b.launches[1].kernel) for b in plan.buckets if 2 <= b.max_tokens <= 8}
+    launch = {b.max_tokens: b.launches[1] for b in plan.buckets if 2 <= b.max_tokens <= 8}
+    assert all(k.family == "gate_up" for k in gate_up.values())
+    assert launch[2].grid == (768, 1) and launch[4].grid == (1536, 1)
+    assert gate_up[2].min_blocks == 7 and gate_up[2].targs[4] == "3" and gate_up[2].name.endswith("_b7_sm_90a")
+    assert gate_up[4].min_blocks == 0 and gate_up[4].targs[4] == "4" and gate_up[4] == gate_up[8]
+
+
 def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
     """The analytic plan keeps gate/up then down; a tuning (fused=N) runs router, fused expert
     (clusters of 2) and combine for the buckets up to N whose partial sums stay within the L2
