@@ -445,6 +445,12 @@ def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0) -> Kernel:
                       if ks > 1 else ""))
 
 
+def _gate_up_rings(c: Layer, nt: int, nts: int) -> tuple[int, int, int]:
+    """A gate/up block's warps and its full rings' depths (the routed experts', the shared expert's)."""
+    w = _warps(c, 2, max(nt, nts))
+    return w, depth(2, nt, c.kf_e, w), _depth_s(c, 2, nt, nts, w)
+
+
 def gate_up_wave(c: Layer, target: Target, nt: int, nts: int, grid: int) -> int:
     """Blocks a multiprocessor for a gate/up grid of `grid` blocks with its ring one chunk shallower,
     where that makes the grid one wave of resident blocks and the full ring does not; 0 otherwise
@@ -457,8 +463,7 @@ def gate_up_wave(c: Layer, target: Target, nt: int, nts: int, grid: int) -> int:
     3) took the layer from 50.02 to 48.69 us, Qwen3-Next-80B-A3B's 672 from 48.44 to 47.62 us; at
     N = 4 (1536 and 1312 blocks: fewer waves, not one) the shallower ring measured 76.54 -> 76.67
     and 73.55 -> 74.54 us, and N = 8 and 16 within 0.4%."""
-    w = _warps(c, 2, max(nt, nts))
-    d, ds = depth(2, nt, c.kf_e, w), _depth_s(c, 2, nt, nts, w)
+    w, d, ds = _gate_up_rings(c, nt, nts)
     if min(d, ds) <= 2:
         return 0
 
@@ -475,8 +480,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int, wave: int = 0) -> Kernel:
     blocks a multiprocessor asked of the compiler."""
     name = (f"moe_gate_up_e{c.e}_h{c.h}_i{c.i}_nt{nt}_{c.kf_e}" + (f"_si{c.si}_nts{nts}_{c.kf_s}" if c.si else "")
             + f"_{c.act_tag}{'_winput' if c.woi else ''}{c.ep_tag}")
-    w = _warps(c, 2, max(nt, nts))
-    d, ds = depth(2, nt, c.kf_e, w), _depth_s(c, 2, nt, nts, w)
+    w, d, ds = _gate_up_rings(c, nt, nts)
     if wave:
         d, ds = d - 1, ds - 1
     name += f"{_w(w)}" + (f"_b{wave}" if wave else "") + f"_{c.spec.arch}"

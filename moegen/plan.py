@@ -393,12 +393,13 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     nt_routed = min(c.tune.routed_nt, nt_dense) if c.tune.routed_nt else _nt(min(nb, 2 * math.ceil(nb * c.k / c.e)))
     nt_shared = nt_dense if c.si else nt_routed  # without a shared expert its token groups are unused
     groups = c.h // (16 * c.tune.down_tiles)
+    gu_grid = slots * (c.i // 16) + c.si // 16
+    gu_wave = F.gate_up_wave(c, target, nt_routed, nt_shared, gu_grid)  # a ring shallower where that makes one wave
     launches = (
         *head,
         *((Launch(add(xq), (F.quant_blocks(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
-        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared, F.gate_up_wave(
-            c, target, nt_routed, nt_shared, gu_grid := slots * (c.i // 16) + c.si // 16))), (gu_grid, 1),
+        Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared, gu_wave)), (gu_grid, 1),
                gate_up.threads, pdl=True),
         *((Launch(add(aq), (F.quant_blocks(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
           if (aq := F.act_quant_kernel(c, "act")) else ()),
