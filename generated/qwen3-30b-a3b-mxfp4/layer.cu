@@ -1738,7 +1738,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 //
 //   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
 //      shared expert's weights asked for into L2 meanwhile, or (warp 0's route) while warp 0
-//      routes (they do not depend on the route);
+//      routes (they do not depend on the route; not with down by columns);
 //   -- every block waits for all of them --
 //   2. every block routes the token itself (into its shared memory; with route_one's rules the
 //      whole block at once, route_block), then asks the copy engine for its whole share of the
@@ -2158,7 +2158,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // engine takes the request): with warp 0's route (OVERLAP) once the logits are staged, by a
   // thread that does not route; otherwise while the block waits for the logits. (Asked for before
   // the logits were staged, the requests delayed them: Qwen3-Next-80B-A3B N = 1 26.11 -> 25.70 us
-  // after them, H200, 2026-11-30, in one process, the same bits.)
+  // after them, H200, 2026-11-30, in one process, the same bits.) Not with down by columns, whose
+  // groups read the shared expert's units from the memory as they read the chosen experts': the
+  // requests, made as the stream starts, only add to it (Qwen3-Next-80B-A3B N = 1 25.76 -> 25.45 us
+  // without them, H200, 2026-12-01, one process, 12 rounds, the same bits).
   auto shared_to_l2 = [&]() {
     if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
       // (EARLY: each block copies its own rows of the shared down weights instead, below)
@@ -2291,7 +2294,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       __nanosleep(64);
     }
   }
-  if (OVERLAP) shared_to_l2();  // (warp 0 routes meanwhile)
+  if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
   if constexpr (ONE_RULES) {
     if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
@@ -2329,8 +2332,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (!OVERLAP && !LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
 
   // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
-  // weights asked for into L2 before the route: the blocks with one unit fewer of the chosen
-  // experts take them)
+  // weights asked for into L2 before the route, but by columns: the blocks with one unit fewer of
+  // the chosen experts take them)
   // (COLS: round = unit group u0, its units u0 + k * VB)
   const int ustride = COLS ? VB : (int)gridDim.x;
   u32 cpar = 0;  // COLS: the units' mbarriers' phase
