@@ -632,6 +632,9 @@ def combine_kernel(c: Layer, nf: int) -> Kernel:
 SINGLE_WARPS = 16  # 512 threads: 128 registers each, P chunks of gate/up weights in flight per warp
 SINGLE_INFLIGHT = 4  # gate/up chunks in flight per warp (4 x 2 KB x 16 warps = 128 KB a multiprocessor)
 SINGLE_INFLIGHT_FP4 = 8  # FP4's chunks are 512 bytes: 8 x 512 bytes x 16 warps = 64 KB
+# down by columns: the most units a group (each unit's weight base in registers; Mixtral-8x22B's 16
+# spilled 60 bytes, Mixtral-8x7B's 14 none)
+SINGLE_COLS_UR = 14
 
 
 def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
@@ -643,7 +646,8 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     (batch_invariant), hidden sizes whose 32-wide chunks split evenly over its warps, and a
     block's share of the down weights (16 rows of every chosen expert and of the shared expert, 1
     KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: its row group's 32 rows, 512 bytes, and
-    their scales) must fit in shared memory beside the reduction space."""
+    their scales) must fit in shared memory beside the reduction space, unless down goes by
+    columns (single_cols: BF16), which keeps none of it there."""
     # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
     # down tiles a row group (a block copies its group's run, both tiles, and takes its own)
     fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
@@ -660,20 +664,22 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
     red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
-    static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
-    static += 16 * c.e + 256  # route_block's keys, scores and group maxima
-    static += 12 * 32  # route_one's candidates and their scores
-    # the activations staged for down; with tagged words, the logits before them in the same space
-    static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
+    cols = single_cols(c, target)
+    if cols:  # the staged logits, the group's sums of every output row, mbarriers, the choices, route_one's room
+        static = 4 * single_ksplit(c) * c.rows_pad + 4 * c.h + 8 * (dslots + ur) + 12 * c.k + 1024
+    else:
+        static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
+        static += 16 * c.e + 256  # route_block's keys, scores and group maxima
+        static += 12 * 32  # route_one's candidates and their scores
+        # the activations staged for down; with tagged words, the logits before them in the same space
+        static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
         static += 4 * dslots * -(-max(c.i, c.si) // 128)
     if c.kf_e in FP4_FORMATS:  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
         static += dslots * (max(c.i, c.si) // 32 * (32 if c.kf_e == "mxfp4" else 64) + (16 if c.kf_e == "nvfp4" else 0))
-    smem = pieces * _single_piece(c) + red
-    if smem + static > target.smem_per_block:
+    smem = red if cols else pieces * _single_piece(c) + red
+    if smem + static > target.smem_per_block or static > STATIC_SMEM:
         return None
-    if single_cols(c, target):  # no down rows in shared memory (the layers whose rows fit: those measured)
-        return red, ur
     return smem, ur
 
 
@@ -689,15 +695,15 @@ def single_cols(c: Layer, target: Target) -> int:
     products follow the stream, and the exchange after it is one word per group and row, where
     down by rows exchanges every activation and then multiplies 16 rows of every operand from
     shared memory. BF16 weights, tagged words and the overlapped route; a warp's row tiles in whole
-    column chunks (4 a chunk). Needing no shared memory for down, it would fit layers whose down
-    rows do not (single_layout still asks that they do: only those layers' one-token kernels have
-    been measured this way)."""
+    column chunks (4 a chunk). Needing no shared memory for down, it also takes the layers whose
+    down rows do not fit (OLMoE, DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-235B-A22B, ...: their N = 1
+    bucket ran router, gate/up and down before)."""
     if c.tune.single_cols is False or c.kf_e != "bf16" or not single_overlap(c) or single_late_down(c):
         return 0
     if (c.h // 16) % (SINGLE_WARPS * 4):
         return 0
     units, ur = _single_units(c, target)
-    return -(-units // ur)
+    return -(-units // ur) if ur <= SINGLE_COLS_UR else 0
 
 
 def _single_units(c: Layer, target: Target) -> tuple[int, int]:

@@ -712,6 +712,30 @@ def test_gate_up_grids_of_one_wave_take_a_shallower_ring():
     assert gate_up[4].min_blocks == 0 and gate_up[4].targs[4] == "4" and gate_up[4] == gate_up[8]
 
 
+def test_down_by_columns_takes_layers_whose_down_rows_do_not_fit():
+    """OLMoE's N = 1 block share of down rows (16 rows of 8 experts x 1024 K: 256 KB) does not fit
+    a block's shared memory, so its one-token bucket ran router, gate/up and down; down by columns
+    keeps none of them there: one launch, its dynamic shared memory only the reduction space.
+    Every such kernel's static shared memory, as ptxas reports it in generated/, is within the
+    48 KB a kernel may hold statically, as the plan's bound asks."""
+    from moegen import families as F
+
+    spec = load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml")
+    one = make_plan(spec).buckets[0]
+    assert one.max_tokens == 1 and len(one.launches) == 1
+    assert "_cols_" in one.launches[0].kernel and one.launches[0].smem < 16 * 1024
+    rows = make_plan(spec, tuning=F.Tuning(single_cols=False)).buckets[0]
+    assert [k.split("_")[1] for k in (ln.kernel for ln in rows.launches)] == ["router", "gate", "down"]
+    seen = 0
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        kernels = json.loads((ROOT / "generated" / path.stem / MANIFEST_FILE).read_text())["kernels"]
+        for k in kernels:
+            if k["family"] == "single" and "_cols" in k["name"]:
+                seen += 1
+                assert k["smem_bytes"] <= F.STATIC_SMEM and k["spill_stores"] == 0, (path.stem, k)
+    assert seen >= 13
+
+
 def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
     """The analytic plan keeps gate/up then down; a tuning (fused=N) runs router, fused expert
     (clusters of 2) and combine for the buckets up to N whose partial sums stay within the L2

@@ -96,9 +96,16 @@ ONE_TOKEN_CASES = [(n, t) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for t
     ("qwen3-30b-a3b-fp8", "fp8-route-block"), ("qwen3-30b-a3b-fp8", "fp8-t1"), ("qwen3-30b-a3b-fp8", "fp8-pieces"),
     ("qwen3-30b-a3b-fp8", "fp8-early"), ("qwen3-30b-a3b-nvfp4", "fp4-early"), ("qwen3-30b-a3b-mxfp4", "fp4-early"),
     ("qwen3-30b-a3b-mxfp4", "fp4-route-block"), ("qwen3-30b-a3b-nvfp4", "fp4-route-block")]
+# the analytic plan's one-token kernel of the BF16 layers whose down rows do not fit a block's shared
+# memory: down by columns, 4 to 14 units a group
+COLS_SPECS = ("deepseek-v2-lite", "deepseek-v4-flash", "deepseek-v4-pro", "glm-4.5-air", "glm-4.5", "kimi-k2",
+              "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen3-235b-a22b",
+              "qwen3-coder-480b-a35b")
+ONE_TOKEN_CASES += [(n, "cols") for n in COLS_SPECS]
 ONE_TOKEN_TUNINGS.update({"fp8-route-block": Tuning(single_overlap=False), "fp8-t1": Tuning(down_tiles=1),
                           "fp8-pieces": Tuning(single_tmap=False), "fp8-early": Tuning(single_late_down=False),
-                          "fp4-route-block": Tuning(single_overlap=False), "fp4-early": Tuning(single_late_down=False)})
+                          "fp4-route-block": Tuning(single_overlap=False), "fp4-early": Tuning(single_late_down=False),
+                          "cols": Tuning()})
 
 
 @pytest.mark.parametrize("name,variant", ONE_TOKEN_CASES, ids=[f"{n}-{t}" for n, t in ONE_TOKEN_CASES])
@@ -113,7 +120,8 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     warp 0 starts its last round of gate/up loads), with tagged words or grid barriers; FP8 block
     weights with the block's route, with one tile per group, with a bulk copy per 512-byte piece,
     and with its down rows asked for early; MXFP4 and NVFP4 weights with the block's route, and
-    with their down rows asked for early) at
+    with their down rows asked for early; the analytic kernel of the BF16 layers whose down rows
+    do not fit in shared memory, which go by columns) at
     N = 1 against the reference, three calls on fresh inputs (the tagged words' epoch advancing), and two runs on
     one input giving the same bits. The analytic plan's kernel is in the GPU tier."""
     import torch
@@ -122,7 +130,7 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     plan = make_plan(spec, ONE_TOKEN_TARGETS.get(variant), tuning=ONE_TOKEN_TUNINGS[variant])
     kernel = plan.kernel(plan.buckets[0].launches[-1].kernel)
     assert kernel.family == "single"
-    assert ("_cols" in kernel.name) == (variant in ("t1", "plain", "cols-rounds")), kernel.name
+    assert ("_cols" in kernel.name) == (variant in ("t1", "plain", "cols-rounds", "cols")), kernel.name
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
     layer = load(tmp_path / spec.name, dev_w)

@@ -249,11 +249,13 @@ def test_layers_of_one_compiled_output_share_their_loaded_code(fake_cuda):
 
 
 def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda):
-    """The N = 1 bucket of a BF16 layer whose 16 down rows per chosen expert fit in a block's
-    shared memory (down by columns takes none, by rows those rows) is one kernel, launched cooperatively on one block per multiprocessor of the
-    device, with its shared memory allowed at load; other layers (and the tunings single=False
-    and, for an FP8 layer, single_fp8=False, and batch_invariant specs: one reduction order for
-    every N) keep the three kernels."""
+    """The N = 1 bucket of a BF16 layer whose down goes by columns (no down rows in shared memory),
+    or whose 16 down rows per chosen expert fit in a block's shared memory, is one kernel, launched
+    cooperatively on one block per multiprocessor of the device, with its shared memory allowed at
+    load; other layers (OLMoE by rows, whose 256 KB of rows do not fit; Qwen2-57B-A14B, whose hidden
+    size does not split into whole column chunks a warp) and the tunings single=False and, for an
+    FP8 layer, single_fp8=False, and batch_invariant specs (one reduction order for every N) keep
+    the three kernels."""
     drv, rec = fake_cuda
     qwen = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
     (ln,) = make_plan(qwen).buckets[0].launches
@@ -262,7 +264,10 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     assert "_cols" in ln.kernel and 6 * 1024 <= ln.smem < 16 * 1024
     (rows,) = make_plan(qwen, tuning=Tuning(single_cols=False)).buckets[0].launches
     assert 192 * 1024 < rows.smem <= 227 * 1024  # by rows: 8 experts x 16 rows x 768 of down, and the activations
-    for spec, tuning in ((qwen, Tuning(single=False)), (load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml"), None),
+    olmoe = load_spec(ROOT / "specs" / "olmoe-1b-7b.yaml")
+    assert "_cols" in make_plan(olmoe).buckets[0].launches[0].kernel
+    for spec, tuning in ((qwen, Tuning(single=False)), (olmoe, Tuning(single_cols=False)),
+                         (load_spec(ROOT / "specs" / "qwen2-57b-a14b.yaml"), None),
                          (load_spec(ROOT / "specs" / "qwen3-30b-a3b-fp8.yaml"), Tuning(single_fp8=False)),
                          (parse_spec({**qwen.model_dump(mode="json", exclude_none=True), "batch_invariant": True},
                                      check_generated=False), None)):
