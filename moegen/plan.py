@@ -34,6 +34,7 @@ The analytic model (decode is memory-bound):
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, replace
 
@@ -209,8 +210,17 @@ class Plan:
 # 2026-12-01), about 0.45 s past a program's own start; 0.31 before, which left the part holding it
 # the longer (the two parts of five specs compiled one after another: the longer 8.98 s in all at
 # 0.31, 8.74 s at 0.45).
+# A kernel that routes (the route kernel, a router whose last block routes, the one-token kernel) over
+# more than ROUTE_BOUND experts (zero experts counted; not hash-routed) takes about ROUTE_BOUND_COST
+# more: route_one's bound over 32 lanes of up to 16 experts each, the groups' maxima and the ranks
+# above the bound, unrolled per lane's experts (each such kernel alone, 2026-12-01, against its
+# family's cost: the route kernel 0.07-0.21 s more, the router with the route 0.04-0.19, the
+# one-token kernel 0.00-0.23; Qwen3-Next-80B-A3B, Kimi-K2, DeepSeek-V3 and -V4-Flash/-Pro, GLM-4.5,
+# Qwen3-Coder-480B-A35B, LongCat-Flash), which had left DeepSeek-V4-Flash's parts at 1.77 and 1.10 s.
 COMPILE_PARTS = 2
 SHARED_COST = 1.45
+ROUTE_BOUND = 128
+ROUTE_BOUND_COST = 0.12
 COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.45, "expert": 0.30, "prefill_gemm_down": 0.47,
                 "router+route": 0.23, "router": 0.11, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06,
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
@@ -224,14 +234,20 @@ def compile_cost(k: Kernel) -> float:
     route) as "router+route", a kernel on FP8 block weights (its name says so: "fp8", or "fp8a8" with
     FP8 activations) as "<family>+fp8" or "<family>+fp8a8" where that is listed; the shared expert's
     prefill GEMMs as the routed ones; gate/up and down with a shared expert's tiles beside the
-    routed ones (their names carry "si<width>") SHARED_COST times their family's."""
+    routed ones (their names carry "si<width>") SHARED_COST times their family's; a kernel that routes
+    over more than ROUTE_BOUND experts, unless by hash, ROUTE_BOUND_COST more."""
     fused = k.family == "router" and "_route_" in k.name
     family = k.family.removesuffix("_shared")
     tokens = k.name.split("_")
     fmt = next((f for f in ("fp8a8", "fp8") if f in tokens and f"{family}+{f}" in COMPILE_COST), "")
     cost = COMPILE_COST.get(family + (f"+{fmt}" if fmt else "+route" if fused else ""), 0.1)
     shared = any(t.startswith("si") and t[2:].isdigit() for t in tokens)
-    return cost * SHARED_COST if family in ("gate_up", "down") and shared else cost
+    if family in ("gate_up", "down") and shared:
+        cost *= SHARED_COST
+    routed = re.search(r"_e(\d+)(?:z(\d+))?_k\d+_", k.name) if family in ("route", "single") or fused else None
+    if routed and int(routed[1]) + int(routed[2] or 0) > ROUTE_BOUND and not any(t.startswith("hash") for t in tokens):
+        cost += ROUTE_BOUND_COST
+    return cost
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
