@@ -733,7 +733,7 @@ def test_down_by_columns_takes_layers_whose_down_rows_do_not_fit():
             if k["family"] == "single" and "_cols" in k["name"]:
                 seen += 1
                 assert k["smem_bytes"] <= F.STATIC_SMEM and k["spill_stores"] == 0, (path.stem, k)
-    assert seen >= 13
+    assert seen >= 11  # of 13 analytic ones: GLM-4.5's and Qwen3-Coder-480B's tuning files keep three launches
 
 
 def test_a_tuning_fuses_small_buckets_where_the_partials_fit_l2():
