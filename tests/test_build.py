@@ -372,6 +372,34 @@ def test_layer_compiles_as_parts_each_kernel_in_one():
         both.cubin  # noqa: B018 - a layer in parts has no single cubin
 
 
+def test_kernels_that_route_over_many_experts_weigh_more_when_dealt():
+    """The route by a bound (more than ROUTE_BOUND experts, zero experts counted) compiles longer:
+    the route kernel, the router that routes and the one-token kernel of Qwen3-Next-80B-A3B (512
+    experts) and LongCat-Flash (512 and 256 zero experts) carry ROUTE_BOUND_COST; Qwen3-30B-A3B's (128)
+    and the hash-routed DeepSeek-V4-Flash's do not, nor does a router that does not route."""
+    from moegen import plan as P
+
+    def routing(name: str) -> dict[str, float]:
+        plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+        return {k.name: P.compile_cost(k) for k in plan.kernels
+                if k.family in ("route", "single") or (k.family == "router" and "_route_" in k.name)}
+
+    def base(name: str) -> float:
+        family = name.split("_")[1]
+        return P.COMPILE_COST[family + ("+route" if family == "router" else "")]
+
+    for name in ("qwen3-next-80b-a3b", "longcat-flash"):
+        costs = routing(name)
+        assert len(costs) >= 2
+        assert all(c == pytest.approx(base(k) + P.ROUTE_BOUND_COST) for k, c in costs.items()), (name, costs)
+    for name in ("qwen3-30b-a3b", "deepseek-v4-flash-hash"):
+        costs = routing(name)
+        assert len(costs) >= 2 and all(c == pytest.approx(base(k)) for k, c in costs.items()), (name, costs)
+    plain = [k for k in make_plan(load_spec(ROOT / "specs" / "qwen3-next-80b-a3b.yaml")).kernels
+             if k.family == "router" and "_route_" not in k.name]
+    assert plain and all(P.compile_cost(k) == P.COMPILE_COST["router"] for k in plain)
+
+
 def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch):
     k = cache_key(SMALL, ARCH)
     assert k == cache_key(SMALL, ARCH) and re.fullmatch(r"[0-9a-f]{64}", k)
