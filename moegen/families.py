@@ -695,9 +695,10 @@ def single_cols(c: Layer, target: Target) -> int:
     products follow the stream, and the exchange after it is one word per group and row, where
     down by rows exchanges every activation and then multiplies 16 rows of every operand from
     shared memory. BF16 weights, tagged words and the overlapped route; a warp's row tiles in whole
-    column chunks (4 a chunk). Needing no shared memory for down, it also takes the layers whose
-    down rows do not fit (OLMoE, DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-235B-A22B, ...: their N = 1
-    bucket ran router, gate/up and down before)."""
+    column chunks (4 a chunk). With a shared expert its units come first (the first units of
+    groups 0, 1, ...), and those groups start them before the route has chosen. Needing no shared
+    memory for down, it also takes the layers whose down rows do not fit (OLMoE, DeepSeek-V2-Lite,
+    Mixtral-8x7B, Qwen3-235B-A22B, ...: their N = 1 bucket ran router, gate/up and down before)."""
     if c.tune.single_cols is False or c.kf_e != "bf16" or not single_overlap(c) or single_late_down(c):
         return 0
     if (c.h // 16) % (SINGLE_WARPS * 4):

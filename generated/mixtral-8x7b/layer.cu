@@ -2051,6 +2051,15 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // to shared memory, then to the group's partial sum of every output row (tagged words, spart
   // [VB][H]); each block then adds its rows' VB partials in group order.
   constexpr bool COLS = VB > 0;
+  // SFIRST (COLS with a shared expert): a group's units in the order of the shared expert's TIS
+  // tiles first, then the chosen experts' (slot, tile); a group whose first unit is the shared
+  // expert's issues that unit's first loads before the choices are made (its warps 1.. wait for
+  // warp 0's route only then), so the memory streams while the block routes. H200, 2026-12-01,
+  // N = 1, one process, 10 rounds, the same weights: Qwen3-Next-80B-A3B 25.02 -> 24.34 us,
+  // DeepSeek-V2-Lite 40.00 -> 39.18, Qwen1.5-MoE-A2.7B 39.78 -> 39.50, GLM-4.5-Air 84.35 -> 82.43.
+  // The order alone, every group waiting for the route, was slower (Next 25.17 -> 25.22, V2-Lite
+  // 40.01 -> 40.52), and the shared weights asked for into L2 during the route no faster.
+  constexpr bool SFIRST = COLS && TIS > 0;
   constexpr int RT = H / 16, RTW = RT / WARPS, CC = RTW / 4;  // row tiles, a warp's, its column chunks a unit
   static_assert(!COLS || (FMT == MOE_W_BF16 && TAGS && OVERLAP && !LATE && RTW % 4 == 0),
                 "down by columns: BF16, tagged words, the overlapped route, whole column chunks a warp");
@@ -2340,7 +2349,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
   if (OVERLAP) {  // warps 1..: every choice is written
-    if (warp != 0) mbar_wait(rbar, 0);
+    // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
+    if (warp != 0 && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
   }
@@ -2357,6 +2367,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // the chosen experts take them)
   // (COLS: round = unit group u0, its units u0 + k * VB)
   const int ustride = COLS ? VB : (int)gridDim.x;
+  // (SFIRST) group order: the shared expert's units first, then the chosen experts'
+  auto unit_of = [&](int n) { return SFIRST ? (n < TIS ? K * TI + n : n - TIS) : n; };
   u32 cpar = 0;  // COLS: the units' mbarriers' phase
   for (int u0 = blockIdx.x; COLS ? u0 < VB : u0 < UNITS; u0 += COLS ? (int)gridDim.x : UR * (int)gridDim.x) {
     const int nu = min(UR, (UNITS - u0 + ustride - 1) / ustride);  // units this round
@@ -2368,7 +2380,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const uint4* ub[UR];
     u32 so[UR];
     auto unit_base = [&](int k) {
-      const int u = u0 + k * ustride;
+      const int u = unit_of(u0 + k * ustride);
       if (u < K * TI) {
         const int e = s_ids[u / TI];
         ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
@@ -2432,14 +2444,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       // t / 2) of k-step t & 1 in the unit's chunk c = j / 2 (h = j & 1): an m16n8k16 A fragment over
       // the unit's 16 K in the order 4 t + (0, 1), 4 t + (2, 3), whose B is activations 4 t .. 4 t + 3
       auto col = [&](int k, int rt) -> const uint4* {
-        const int u = u0 + k * VB, j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
+        const int u = unit_of(u0 + k * VB), j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
         const int grp = rt / TPB, lo = ((rt % TPB) * 2 + (t & 1)) * 32 + g * 4 + 2 * h + (t >> 1);
         if (u < K * TI) return w2 + (((size_t)s_ids[u / TI] * (H / (16 * TPB)) + grp) * KCD + c) * AUD * 32 + lo;
         return ws2 + ((size_t)grp * KCDS + c) * AUD * 32 + lo;
       };
-#pragma unroll
-      for (int k = 1; k < UR; ++k)
-        if (k < nu) unit_base(k);
       uint4 buf[P][4];
       auto load = [&](int q, uint4 (&b)[4]) {
         if (q < q_end) {
@@ -2454,8 +2463,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           }
         }
       };
+      static_assert(!SFIRST || P <= CPU, "the first round of loads: the first unit's");
+      if (SFIRST && u0 < TIS) {  // the shared expert's unit: its first loads, then the choices
 #pragma unroll
-      for (int s = 0; s < P; ++s) load(s, buf[s]);
+        for (int s = 0; s < P; ++s) load(s, buf[s]);
+        if (warp != 0) mbar_wait(rbar, 0);
+#pragma unroll
+        for (int k = 1; k < UR; ++k)
+          if (k < nu) unit_base(k);
+      } else {
+#pragma unroll
+        for (int k = 1; k < UR; ++k)
+          if (k < nu) unit_base(k);
+#pragma unroll
+        for (int s = 0; s < P; ++s) load(s, buf[s]);
+      }
       float acc[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m)
@@ -2473,7 +2495,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           if (is_col) {
             if (i == 0) {  // unit k's activations from every warp's sums, in warp order (each warp computes them)
               mbar_wait(ubar + 8 * k, cpar);
-              const int u = u0 + k * VB;
+              const int u = unit_of(u0 + k * VB);
               u32 a = 0;
               if (lane < 16) {
                 float gv = 0.0f, uv = 0.0f;
