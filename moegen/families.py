@@ -177,6 +177,10 @@ class Tuning:
     # where it applies; False: the activations exchanged, then each block's 16 output rows of every
     # operand from shared memory.
     single_cols: bool | None = None
+    # ... and (single_two) the two-token bucket in one launch too, where down by columns takes both
+    # tokens (each token's units as at one token: a group's pairs of unit and token, twice its
+    # units, at most SINGLE_TWO_PAIRS); False: that bucket runs router, gate/up and down
+    single_two: bool = True
     # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
     # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
     routed_nt: int = 0
@@ -635,9 +639,16 @@ SINGLE_INFLIGHT_FP4 = 8  # FP4's chunks are 512 bytes: 8 x 512 bytes x 16 warps 
 # down by columns: the most units a group (each unit's weight base in registers; Mixtral-8x22B's 16
 # spilled 60 bytes, Mixtral-8x7B's 14 none)
 SINGLE_COLS_UR = 14
+# the two-token bucket in one launch (single_two): at most 8 (unit, token) pairs a group. A group's
+# bytes double with the tokens, and one block streams at about 30-38 GB/s (per-block stamps, H200),
+# so past about 8 units of 192 KB a group's stream outlasts the three launches' whole layer. On the
+# H200 (2026-12-01, N = 2, one process, 8 rounds, three launches -> one): Qwen3-30B-A3B (6 pairs)
+# 47.86 -> 43.37 us, Qwen3-Next-80B-A3B (6) 45.96 -> 42.12, OLMoE (8) 56.93 -> 55.83; with 12 pairs
+# slower: DeepSeek-V2-Lite 66.98 -> 71.39, Qwen1.5-MoE 63.35 -> 71.05, GLM-4.5-Air 138.35 -> 172.48
+SINGLE_TWO_PAIRS = 8
 
 
-def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
+def single_layout(c: Layer, target: Target, ntok: int = 1) -> tuple[int, int] | None:
     """(dynamic shared memory bytes, gate/up units a block takes per round) of the single-launch
     kernel for this layer, or None where it does not apply: it takes BF16 weights (or, with the
     tunings single_fp8 / single_fp4, FP8 block, MXFP4 or NVFP4 weights; a shared expert in the
@@ -647,7 +658,8 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     block's share of the down weights (16 rows of every chosen expert and of the shared expert, 1
     KB per 32-wide chunk in BF16, 512 bytes in FP8; FP4: its row group's 32 rows, 512 bytes, and
     their scales) must fit in shared memory beside the reduction space, unless down goes by
-    columns (single_cols: BF16), which keeps none of it there."""
+    columns (single_cols: BF16), which keeps none of it there. ntok 2: the two-token bucket's kernel
+    (single_two: down by columns only, twice a group's units at most SINGLE_TWO_PAIRS)."""
     # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
     # down tiles a row group (a block copies its group's run, both tiles, and takes its own)
     fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
@@ -663,10 +675,12 @@ def single_layout(c: Layer, target: Target) -> tuple[int, int] | None:
     units, ur = _single_units(c, target)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
-    red = 4 * max(SINGLE_WARPS * 16, ur * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
     cols = single_cols(c, target)
-    if cols:  # the staged logits, the group's sums of every output row, mbarriers, the choices, route_one's room
-        static = 4 * single_ksplit(c) * c.rows_pad + 4 * c.h + 8 * (dslots + ur) + 12 * c.k + 1024
+    if ntok > 1 and not (cols and c.tune.single_two and ur * ntok <= SINGLE_TWO_PAIRS):
+        return None
+    red = 4 * max(SINGLE_WARPS * 16 * ntok, ur * ntok * SINGLE_WARPS * 32, (SINGLE_WARPS + 1) * dslots * 16)
+    if cols:  # the staged logits, each token's sums of every output row, mbarriers, the choices, route_one's room
+        static = ntok * (4 * single_ksplit(c) * c.rows_pad + 4 * c.h + 8 * ur + 12 * c.k + 264) + 8 * dslots + 760
     else:
         static = 8 * (c.e + c.z) + 8 * c.k + 256  # route_body's counters, the block's routing
         static += 16 * c.e + 256  # route_block's keys, scores and group maxima
@@ -781,9 +795,10 @@ def single_tensor_maps(c: Layer, target: Target) -> tuple:
     return (tmap("w2", c.i // 32, c.e_local),) + ((tmap("ws2", c.si // 32, 0),) if c.si else ())
 
 
-def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
-    """The single-launch kernel of the one-token bucket, and its dynamic shared memory."""
-    smem, ur = single_layout(c, target)
+def single_kernel(c: Layer, target: Target, ntok: int = 1) -> tuple[Kernel, int]:
+    """The single-launch kernel of the one-token bucket (ntok 2: of the two-token bucket,
+    single_two), and its dynamic shared memory."""
+    smem, ur = single_layout(c, target, ntok)
     ks = single_ksplit(c)
     vb = single_cols(c, target)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
@@ -791,14 +806,14 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
             + ("_cols" if vb else "_tmap" if single_tmap(c) else "")
             + ("_late" if single_late_down(c) else "")
-            + ("" if c.kf_e == "bf16" else f"_{c.kf_e}")
+            + ("" if c.kf_e == "bf16" else f"_{c.kf_e}") + (f"_x{ntok}" if ntok > 1 else "")
             + f"_{c.spec.arch}")
     kc = c.h // 32
     targs = (*map(str, (kc, c.i // 32, c.si // 32, c.i // 16, c.si // 16, c.i, c.si, c.h, c.e, c.k, c.rows_pad,
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb))
+             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb), str(ntok))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),
@@ -815,7 +830,8 @@ def single_kernel(c: Layer, target: Target) -> tuple[Kernel, int]:
             ("u32* tact", "tact", "ws.stact"), ("u32* epoch", "epoch", "ws.sepoch"),
             ("unsigned long long* spart", "spart", "ws.spart"), ("const void* tmaps", "tmaps", "w.tmaps"))
     kernel = _kernel(name, "single", SINGLE_WARPS * 32, targs, base, (), "single_body",
-                     f"one token in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
+                     ("one token" if ntok == 1 else f"{ntok} tokens")
+                     + f" in one launch: router ({c.rows_pad // 16} tiles x {ks} parts), route in "
                      f"every block, gate/up ({c.k} x {c.i // 16}" + (f" + {c.si // 16}" if c.si else "")
                      + (" tiles), down by columns streamed behind them, partial sums a block; "
                         if vb else " tiles), down from shared memory (16 rows a block) + weighted sum; ")

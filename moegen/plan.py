@@ -382,8 +382,9 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
     norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
-    if nb == 1 and nb > nf and F.single_layout(c, target):  # one token: the whole layer in one launch
-        kernel, smem = F.single_kernel(c, target)
+    ntok = nb if nb <= 2 and nb > nf and F.single_layout(c, target, nb) else 0
+    if ntok and (nb == 1 or F.single_layout(c, target)):  # one token (two: single_two): one launch
+        kernel, smem = F.single_kernel(c, target, ntok)
         return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem,
                                        coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
@@ -435,6 +436,7 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
     vb = F.single_cols(c, target) if F.single_layout(c, target) else 0  # down by columns' unit groups
+    ntok = 2 if vb and nmax >= 2 and F.single_layout(c, target, 2) else 1  # tokens of the largest one-launch bucket
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
@@ -456,11 +458,11 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
         Buffer("gbar", "int32", (1,)),  # the one-token kernel's grid barrier (a word whose top bit flips)
         # its tagged words (tuning single_tags): partial logits (value, epoch), activations (bf16,
         # epoch), and the epoch with the count of blocks that have read it
-        Buffer("stl", "uint64", (c.ksplit, c.rows_pad)),
+        Buffer("stl", "uint64", (max(c.ksplit, ntok * F.single_ksplit(c)), c.rows_pad)),
         Buffer("stact", "uint32", (k * i + si,)),
         Buffer("sepoch", "uint32", (2,)),
         # down by columns (families.single_cols): each unit group's partial sum of the output (value, epoch)
-        Buffer("spart", "uint64", (vb, h) if vb else (1,)),
+        Buffer("spart", "uint64", (vb * ntok, h) if vb else (1,)),
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts
         Buffer("slot_w", "float32", (nmax * k if c.woi or c.hashed else 1,)),  # routing weight per expert row

@@ -275,7 +275,8 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
         assert [p.kernel(x.kernel).family for x in p.buckets[0].launches][-3:] == ["router", "gate_up", "down"]
     plan = make_plan(dict(SPECS)["shared_gate"])  # 64 experts, top-10, a gated shared expert
     (ln,) = plan.buckets[0].launches
-    assert all(plan.kernel(x.kernel).family != "single" for b in plan.buckets[1:] for x in b.launches)
+    # (its N = 2 bucket: the two-token kernel, test_two_tokens_are_one_launch_where_a_group_takes_few_units)
+    assert all(plan.kernel(x.kernel).family != "single" for b in plan.buckets[2:] for x in b.launches)
     layer = _layer(plan)
     layer.load_weights(_host_weights(plan))
     rec.launches.clear()  # the packing's
@@ -287,6 +288,42 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
     assert all(int(a) != 0 for a, key in zip(args, plan.kernel(kernel).arg_keys)
                if key not in ("w.corr_bias", "w.router_bias", "w.s13", "w.ss13", "w.s2", "w.ss2",  # BF16: no scales
                               "w.tmaps"))
+
+
+def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
+    """The N = 2 bucket of a layer whose one-token kernel goes down by columns with at most 4 units a
+    group (8 unit-token pairs, families.SINGLE_TWO_PAIRS) is the same kernel for two tokens (`_x2`,
+    its last template argument 2), launched cooperatively on one block per multiprocessor; its
+    workspace holds both tokens' tagged logits and partial sums. Layers of 6 units a group
+    (DeepSeek-V2-Lite) and the tuning single_two=False keep router, gate/up and down; N = 4 never
+    takes it."""
+    from moegen.families import Tuning
+
+    drv, rec = fake_cuda
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "olmoe-1b-7b"):
+        plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+        one, two = (plan.kernel(b.launches[-1].kernel) for b in plan.buckets[:2])
+        (ln,) = plan.buckets[1].launches
+        assert two.family == "single" and "_x2_" in two.name and ln.coop and ln.grid == ("sms", 1), name
+        assert two.targs[-1] == "2" and one.targs[-1] == "1" and two.targs[:-1] == one.targs[:-1], name
+        vb, ks = int(one.targs[-2]), int(one.targs[11])
+        ws = {b.name: b.shape for b in plan.workspace}
+        assert ws["spart"] == (2 * vb, plan.hidden) and ws["stl"][0] >= 2 * ks, name
+        assert all(plan.kernel(x.kernel).family != "single" for b in plan.buckets[2:] for x in b.launches), name
+    for spec, tuning in ((load_spec(ROOT / "specs" / "deepseek-v2-lite.yaml"), None),
+                         (load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml"), Tuning(single_two=False))):
+        p = make_plan(spec, tuning=tuning)
+        assert [p.kernel(x.kernel).family for x in p.buckets[1].launches][-3:] == ["router", "gate_up", "down"]
+    plan = make_plan(dict(SPECS)["shared_gate"])  # 64 experts, top-10, a gated shared expert: 2 units a group
+    (ln,) = plan.buckets[1].launches
+    layer = _layer(plan)
+    layer.load_weights(_host_weights(plan))
+    rec.launches.clear()  # the packing's
+    layer(FakeArray((2, plan.hidden), "bfloat16"), out=FakeArray((2, plan.hidden), "bfloat16", ptr=0x7200_0000_0000),
+          stream=5)
+    (kernel, config, args), = rec.launches
+    assert kernel == ln.kernel and "_x2_" in kernel and config.grid == (132, 1) and config.is_cooperative
+    assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
 
 
 def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fake_cuda):

@@ -1991,7 +1991,7 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
           int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP,
-          bool LATE, int VB>
+          bool LATE, int VB, int NTOK>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -2060,6 +2060,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // The order alone, every group waiting for the route, was slower (Next 25.17 -> 25.22, V2-Lite
   // 40.01 -> 40.52), and the shared weights asked for into L2 during the route no faster.
   constexpr bool SFIRST = COLS && TIS > 0;
+  // NTOK tokens (COLS): each token's units as at one token. Group v takes units v, v + VB, ... of
+  // every token, as (unit, token) pairs kk = k * NTOK + n in its stream, and keeps each token's sums
+  // apart: a token's sums have the same order whatever the other token and its own index. The
+  // router's products take the tokens as the MMA's columns; warp n routes token n.
+  static_assert(NTOK == 1 || (COLS && NTOK <= 2), "more than one token: down by columns, two at most");
+  constexpr int URT = UR * NTOK;  // (unit, token) pairs a group takes at most
   constexpr int RT = H / 16, RTW = RT / WARPS, CC = RTW / 4;  // row tiles, a warp's, its column chunks a unit
   static_assert(!COLS || (FMT == MOE_W_BF16 && TAGS && OVERLAP && !LATE && RTW % 4 == 0),
                 "down by columns: BF16, tagged words, the overlapped route, whole column chunks a warp");
@@ -2079,7 +2085,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // OVERLAP: the route's mbarrier (every choice made), warp 0's 32 lanes arriving
   __shared__ __align__(8) unsigned long long route_mem[1];
   // TAGS: the partial logits (route), then the activations (down), staged here
-  constexpr int NLOG = KSPLIT * ROWS_PAD, STAGE = TAGS && (COLS || 4 * NLOG > 2 * NACT) ? 4 * NLOG : 2 * NACT;
+  constexpr int NLOG = NTOK * KSPLIT * ROWS_PAD, STAGE = TAGS && (COLS || 4 * NLOG > 2 * NACT) ? 4 * NLOG : 2 * NACT;
   __shared__ __align__(16) unsigned char s_stage[STAGE];
   // FP8: the block scales of this block's down rows, [operand][128-wide K block]
   constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
@@ -2088,16 +2094,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   __shared__ __align__(16) unsigned char s_dsc4[FP4 ? DSLOTS * SCB : 16];
   bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
   float* s_log = reinterpret_cast<float*>(s_stage);
-  __shared__ int s_ids[K];
-  __shared__ float s_cpart[COLS ? H : 1];  // COLS: the group's sums of every output row (each warp its row tiles')
-  __shared__ __align__(8) unsigned long long ubar_mem[COLS ? UR : 1];  // COLS: unit k's gate/up summed by every warp
-  __shared__ float s_w[K], s_gate[1];
+  __shared__ int s_ids[K * NTOK];
+  __shared__ float s_cpart[COLS ? NTOK * H : 1];  // COLS: the group's sums of every output row (each warp its row tiles')
+  __shared__ __align__(8) unsigned long long ubar_mem[COLS ? URT : 1];  // COLS: unit k's gate/up summed by every warp
+  __shared__ float s_w[K * NTOK], s_gate[NTOK];
   // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
   // gate's logit; OVERLAP: the sum over every expert that route_weights may need
-  __shared__ float s_pick[K], s_vall[BLOCK_ROUTE ? E : 1], s_gl, s_all;
+  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE ? E : 1], s_gl, s_all[NTOK];
   __shared__ u32 s_ep;
-  __shared__ __align__(16) unsigned long long s_cand[32];  // route_one's candidates (a lane holding 8+ experts)
-  __shared__ float s_cscore[RouteRule::CORR_BIAS ? 32 : 1];
+  __shared__ __align__(16) unsigned long long s_cand[32 * NTOK];  // route_one's candidates (a lane holding 8+ experts)
+  __shared__ float s_cscore[RouteRule::CORR_BIAS ? 32 * NTOK : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
   const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: every choice made
@@ -2105,8 +2111,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
     if (COLS)
-      for (int k = 0; k < UR; ++k) mbar_init(ubar + 8 * k, THREADS);
-    if (OVERLAP) mbar_init(rbar, 32);
+      for (int k = 0; k < URT; ++k) mbar_init(ubar + 8 * k, THREADS);
+    if (OVERLAP) mbar_init(rbar, 32 * NTOK);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
@@ -2231,22 +2237,26 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       const int c = warp + j * WARPS;
       if (c < KC / KSPLIT) {
         const int ck = part * (KC / KSPLIT) + c;
-        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(xr_in + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        const uint4 b = g < NTOK ? *reinterpret_cast<const uint4*>(xr_in + g * H + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
         mma_bf16(acc, ra[j][0], b.x, b.y);
         mma_bf16(acc, ra[j][1], b.z, b.w);
       }
     }
-    if (t == 0) {
-      red[warp * 16 + g] = acc[0];
-      red[warp * 16 + g + 8] = acc[2];
+    if (t == 0) {  // token n's logits: column n (lanes t = 0 hold columns 0, 1)
+#pragma unroll
+      for (int n = 0; n < NTOK; ++n) {
+        red[(n * WARPS + warp) * 16 + g] = acc[n];
+        red[(n * WARPS + warp) * 16 + g + 8] = acc[2 + n];
+      }
     }
     if (TAGS && threadIdx.x == 0) s_ep = word + 1;  // this call's epoch
     __syncthreads();
-    if (threadIdx.x < 16) {
+    if (threadIdx.x < 16 * NTOK) {
+      const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, r = NTOK > 1 ? threadIdx.x & 15 : threadIdx.x;
       float s = 0.0f;
-      for (int w = 0; w < WARPS; ++w) s += red[w * 16 + threadIdx.x];
+      for (int w = 0; w < WARPS; ++w) s += red[(n * WARPS + w) * 16 + r];
       if (TAGS) {
-        st_tagged(tl + part * ROWS_PAD + tile * 16 + threadIdx.x, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
+        st_tagged(tl + (n * KSPLIT + part) * ROWS_PAD + tile * 16 + r, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
       } else {
         logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
       }
@@ -2329,16 +2339,18 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
-    } else if (warp == 0) {  // the logits staged in shared memory (TAGS) or in L2
+    } else if (warp < NTOK) {  // the logits staged in shared memory (TAGS) or in L2; warp n: token n
+      const int n = warp;
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
         if (!LATE && !COLS && (int)blockIdx.x < H / 16) request(blockIdx.x);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
-                OVERLAP>(TAGS ? s_log : logits, corr_bias, router_bias, s_ids, s_pick, s_w, s_gate, &s_all, rbar,
-                         after, s_cand, s_cscore);
+                OVERLAP>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
+                         s_w + n * K, s_gate + n, s_all + n, rbar, after, s_cand + 32 * n,
+                         s_cscore + (RouteRule::CORR_BIAS ? 32 * n : 0));
       if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
         __syncwarp();
-        route_weights<K, RouteRule>(s_pick, s_all, s_w);
+        route_weights<K, RouteRule>(s_pick + n * K, s_all[n], s_w + n * K);
       }
     }
   } else {
@@ -2350,12 +2362,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
   if (OVERLAP) {  // warps 1..: every choice is written
     // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
-    if (warp != 0 && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
+    // (NTOK > 1: the routing warps too, for the other token's choices)
+    if ((NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
   }
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
-  if (blockIdx.x == 0 && threadIdx.x < K) {  // the call's routing, for inspection
+  if (blockIdx.x == 0 && threadIdx.x < K * NTOK) {  // the call's routing, for inspection
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
@@ -2372,17 +2385,18 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   u32 cpar = 0;  // COLS: the units' mbarriers' phase
   for (int u0 = blockIdx.x; COLS ? u0 < VB : u0 < UNITS; u0 += COLS ? (int)gridDim.x : UR * (int)gridDim.x) {
     const int nu = min(UR, (UNITS - u0 + ustride - 1) / ustride);  // units this round
+    const int nuu = nu * NTOK;  // (unit, token) pairs this round (kk = k * NTOK + n; one token: the units)
     // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
     // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) or (FP4) its tile's scales (bytes: MX s13
     // [E][tile][chunk][gate, up][16 rows]; NV per tile [chunk][gate, up][2][16 rows], then the two
     // scale_2) as an offset (so[k], top bit: the shared expert's), in registers: each load takes
     // its address from them rather than from the choices in shared memory
-    const uint4* ub[UR];
-    u32 so[UR];
-    auto unit_base = [&](int k) {
-      const int u = unit_of(u0 + k * ustride);
+    const uint4* ub[URT];
+    u32 so[URT];
+    auto unit_base = [&](int k) {  // (pair k: unit k / NTOK of token k % NTOK)
+      const int u = unit_of(u0 + (k / NTOK) * ustride);
       if (u < K * TI) {
-        const int e = s_ids[u / TI];
+        const int e = s_ids[(k % NTOK) * K + u / TI];
         ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
         so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
       } else {
@@ -2393,14 +2407,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     auto weights = [&](int k) -> const uint4* {
       const uint4* r = ub[0];
 #pragma unroll
-      for (int j = 1; j < UR; ++j)
+      for (int j = 1; j < URT; ++j)
         if (k == j) r = ub[j];
       return r;
     };
     auto unit_so = [&](int k) -> u32 {
       u32 o = so[0];
 #pragma unroll
-      for (int j = 1; j < UR; ++j)
+      for (int j = 1; j < URT; ++j)
         if (k == j) o = so[j];
       return o;
     };
@@ -2422,8 +2436,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     };
     unit_base(0);
     if constexpr (COLS) {
-      // slot q of this warp's stream: a gate/up chunk (G) or a column chunk (C) of unit k, its i-th
-      const int q_end = nu * (CPU + CC);
+      // slot q of this warp's stream: a gate/up chunk (G) or a column chunk (C) of pair k, its i-th
+      const int q_end = nuu * (CPU + CC);
       auto slot = [&](int q, int& k, int& i) -> bool {  // true: a column chunk
         if (q < CPU) {
           k = 0;
@@ -2431,22 +2445,23 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           return false;
         }
         const int r = q - CPU, blk = r / (CPU + CC), off = r % (CPU + CC);
-        if (blk < nu - 1 && off < CPU) {
+        if (blk < nuu - 1 && off < CPU) {
           k = blk + 1;
           i = off;
           return false;
         }
         k = blk;
-        i = blk < nu - 1 ? off - CPU : off;
+        i = blk < nuu - 1 ? off - CPU : off;
         return true;
       };
       // unit k's column fragment of row tile rt for lane (g, t): the packed down weights' lane (g, 2 h +
       // t / 2) of k-step t & 1 in the unit's chunk c = j / 2 (h = j & 1): an m16n8k16 A fragment over
       // the unit's 16 K in the order 4 t + (0, 1), 4 t + (2, 3), whose B is activations 4 t .. 4 t + 3
       auto col = [&](int k, int rt) -> const uint4* {
-        const int u = unit_of(u0 + k * VB), j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
+        const int u = unit_of(u0 + (k / NTOK) * VB), j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
         const int grp = rt / TPB, lo = ((rt % TPB) * 2 + (t & 1)) * 32 + g * 4 + 2 * h + (t >> 1);
-        if (u < K * TI) return w2 + (((size_t)s_ids[u / TI] * (H / (16 * TPB)) + grp) * KCD + c) * AUD * 32 + lo;
+        if (u < K * TI)
+          return w2 + (((size_t)s_ids[(k % NTOK) * K + u / TI] * (H / (16 * TPB)) + grp) * KCD + c) * AUD * 32 + lo;
         return ws2 + ((size_t)grp * KCDS + c) * AUD * 32 + lo;
       };
       uint4 buf[P][4];
@@ -2467,14 +2482,14 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (SFIRST && u0 < TIS) {  // the shared expert's unit: its first loads, then the choices
 #pragma unroll
         for (int s = 0; s < P; ++s) load(s, buf[s]);
-        if (warp != 0) mbar_wait(rbar, 0);
+        if (NTOK > 1 || warp != 0) mbar_wait(rbar, 0);
 #pragma unroll
-        for (int k = 1; k < UR; ++k)
-          if (k < nu) unit_base(k);
+        for (int k = 1; k < URT; ++k)
+          if (k < nuu) unit_base(k);
       } else {
 #pragma unroll
-        for (int k = 1; k < UR; ++k)
-          if (k < nu) unit_base(k);
+        for (int k = 1; k < URT; ++k)
+          if (k < nuu) unit_base(k);
 #pragma unroll
         for (int s = 0; s < P; ++s) load(s, buf[s]);
       }
@@ -2495,7 +2510,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           if (is_col) {
             if (i == 0) {  // unit k's activations from every warp's sums, in warp order (each warp computes them)
               mbar_wait(ubar + 8 * k, cpar);
-              const int u = unit_of(u0 + k * VB);
+              const int u = unit_of(u0 + (k / NTOK) * VB), n = k % NTOK;
               u32 a = 0;
               if (lane < 16) {
                 float gv = 0.0f, uv = 0.0f;
@@ -2508,21 +2523,21 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
               const u32 a0 = __shfl_sync(0xffffffffu, a, 4 * t), a1 = __shfl_sync(0xffffffffu, a, 4 * t + 1);
               const u32 a2 = __shfl_sync(0xffffffffu, a, 4 * t + 2), a3 = __shfl_sync(0xffffffffu, a, 4 * t + 3);
               cb = g == 0 ? make_uint2(a0 | a1 << 16, a2 | a3 << 16) : make_uint2(0u, 0u);
-              cw = u < K * TI ? s_w[u / TI] : (SHARED_GATE ? s_gate[0] : 1.0f);
+              cw = u < K * TI ? s_w[n * K + u / TI] : (SHARED_GATE ? s_gate[n] : 1.0f);
             }
 #pragma unroll
             for (int f = 0; f < 4; ++f) {
               float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
               mma_bf16(tmp, buf[s][f], cb.x, cb.y);
               if (t == 0) {  // rows g, g + 8 of row tile rt: the units in order, each times its weight
-                float* y = s_cpart + (warp + (i * 4 + f) * WARPS) * 16 + g;
-                y[0] = k == 0 ? cw * tmp[0] : fmaf(cw, tmp[0], y[0]);
-                y[8] = k == 0 ? cw * tmp[2] : fmaf(cw, tmp[2], y[8]);
+                float* y = s_cpart + (k % NTOK) * H + (warp + (i * 4 + f) * WARPS) * 16 + g;
+                y[0] = k < NTOK ? cw * tmp[0] : fmaf(cw, tmp[0], y[0]);
+                y[8] = k < NTOK ? cw * tmp[2] : fmaf(cw, tmp[2], y[8]);
               }
             }
           } else {
             const int c = warp + i * WARPS;
-            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + (k % NTOK) * H + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
               mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
@@ -2551,10 +2566,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (t == 0) {  // this group's partial sums of this warp's row tiles (its own writes)
         const unsigned long long tag = (unsigned long long)ep << 32;
 #pragma unroll 1
-        for (int rt = warp; rt < RT; rt += WARPS) {
-          st_tagged(spart + (size_t)u0 * H + rt * 16 + g, tag | __float_as_uint(s_cpart[rt * 16 + g]));
-          st_tagged(spart + (size_t)u0 * H + rt * 16 + g + 8, tag | __float_as_uint(s_cpart[rt * 16 + g + 8]));
-        }
+        for (int rt = warp; rt < RT; rt += WARPS)
+#pragma unroll
+          for (int n = 0; n < NTOK; ++n) {  // spart [VB][NTOK][H]
+            unsigned long long* o = spart + ((size_t)u0 * NTOK + n) * H + rt * 16 + g;
+            st_tagged(o, tag | __float_as_uint(s_cpart[n * H + rt * 16 + g]));
+            st_tagged(o + 8, tag | __float_as_uint(s_cpart[n * H + rt * 16 + g + 8]));
+          }
       }
       if (u0 + (int)gridDim.x < VB) __syncthreads();  // (fewer blocks than groups) red and the mbarriers again
       continue;
@@ -2669,44 +2687,55 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // 4. (COLS) block b's output rows 16 rb .. 16 rb + 15, rb = b, b + blocks, ...: each row's VB
     // partials loaded until every one is this call's; thread (j0, r) adds groups j0, j0 + JW, ...
     // in order, then row r adds the JW sums in order: a fixed order for every grid.
-    if (blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+    // (NTOK: every token's rows alike, spart [VB][NTOK][H], out [NTOK][H])
+    if (blockIdx.x == 0 && threadIdx.x < K * NTOK) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
     constexpr int JW = THREADS / 16, PV = (VB + JW - 1) / JW;
     const int r = threadIdx.x & 15, j0 = threadIdx.x >> 4;
     for (int rb = blockIdx.x; rb < RT; rb += gridDim.x) {
-      float v[PV];
-      bool done[PV];
+      float v[NTOK][PV];
+      bool done[NTOK][PV];
 #pragma unroll
-      for (int i = 0; i < PV; ++i) {
-        done[i] = j0 + i * JW >= VB;
-        v[i] = 0.0f;
-      }
-      for (;;) {
-        bool stale = false;
-        unsigned long long q[PV];
-#pragma unroll
-        for (int i = 0; i < PV; ++i)
-          if (!done[i]) q[i] = ld_tagged(spart + (size_t)(j0 + i * JW) * H + rb * 16 + r);
+      for (int n = 0; n < NTOK; ++n)
 #pragma unroll
         for (int i = 0; i < PV; ++i) {
-          if (!done[i]) {
-            done[i] = (u32)(q[i] >> 32) == ep;
-            stale |= !done[i];
-            v[i] = __uint_as_float((u32)q[i]);
-          }
+          done[n][i] = j0 + i * JW >= VB;
+          v[n][i] = 0.0f;
         }
+      for (;;) {
+        bool stale = false;
+        unsigned long long q[NTOK][PV];
+#pragma unroll
+        for (int n = 0; n < NTOK; ++n)
+#pragma unroll
+          for (int i = 0; i < PV; ++i)
+            if (!done[n][i]) q[n][i] = ld_tagged(spart + ((size_t)(j0 + i * JW) * NTOK + n) * H + rb * 16 + r);
+#pragma unroll
+        for (int n = 0; n < NTOK; ++n)
+#pragma unroll
+          for (int i = 0; i < PV; ++i) {
+            if (!done[n][i]) {
+              done[n][i] = (u32)(q[n][i] >> 32) == ep;
+              stale |= !done[n][i];
+              v[n][i] = __uint_as_float((u32)q[n][i]);
+            }
+          }
         if (!__syncthreads_or(stale)) break;
         __nanosleep(64);
       }
-      float y = 0.0f;
 #pragma unroll
-      for (int i = 0; i < PV; ++i)
-        if (j0 + i * JW < VB) y += v[i];
-      red[j0 * 16 + r] = y;
+      for (int n = 0; n < NTOK; ++n) {
+        float y = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PV; ++i)
+          if (j0 + i * JW < VB) y += v[n][i];
+        red[(n * JW + j0) * 16 + r] = y;
+      }
       __syncthreads();
-      if (threadIdx.x < 16) {
+      if (threadIdx.x < 16 * NTOK) {
+        const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, rr = NTOK > 1 ? (unsigned)r : threadIdx.x;
         float o = 0.0f;
-        for (int j = 0; j < JW; ++j) o += red[j * 16 + threadIdx.x];
-        out[rb * 16 + threadIdx.x] = f32_to_bf16(o);
+        for (int j = 0; j < JW; ++j) o += red[(n * JW + j) * 16 + rr];
+        out[n * H + rb * 16 + rr] = f32_to_bf16(o);
       }
       __syncthreads();
     }
@@ -2722,7 +2751,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
       if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
-      if (OVERLAP && warp == 0) route_weights<K, RouteRule>(s_pick, s_all, s_w);
+      if (OVERLAP && warp == 0) route_weights<K, RouteRule>(s_pick, s_all[0], s_w);
       bool done[PER];  // this thread's quads that carry the epoch (staged): not read again
 #pragma unroll
       for (int i = 0; i < PER; ++i) done[i] = (int)threadIdx.x + i * THREADS >= NACT / 4;
@@ -3607,7 +3636,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e8_k2_softmax_scores
 // one token in one launch: router (1 tiles x 8 parts), route in every block, gate/up (2 x 896 tiles), down by columns streamed behind them, partial sums a block; tagged words
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e8_h4096_i14336_k2_ks8_n16384_e8_k2_softmax_scores_renorm_fp32_silu_gated_t2_u14_ov_cols_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
-  single_body<128, 448, 0, 896, 0, 14336, 0, 4096, 8, 2, 16, 8, 16384, 2, false, 16, 14, 4, true, MOE_W_BF16, true, false, false, 128>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
+  single_body<128, 448, 0, 896, 0, 14336, 0, 4096, 8, 2, 16, 8, 16384, 2, false, 16, 14, 4, true, MOE_W_BF16, true, false, false, 128, 1>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 16 rows x 4096, K split 32 ways, 8 tokens per pass; the last block routes
