@@ -316,6 +316,13 @@ def test_batch_invariance(case: Case):
     mixed = torch.cat([x[40:43], five.flip(0)]).contiguous()
     a, b = _run(case, five, torch), _run(case, mixed, torch)
     assert torch.equal(b[3:].flip(0).view(torch.int16), a.view(torch.int16))
+    if big >= 2:  # bucket 2: a token with another, swapped, and with a third (the two-token kernel too)
+        pair = x[:2].contiguous()
+        a = _run(case, pair, torch)
+        b = _run(case, pair.flip(0).contiguous(), torch)
+        c = _run(case, torch.cat([x[:1], x[big - 1:big]]).contiguous(), torch)
+        assert torch.equal(b.flip(0).view(torch.int16), a.view(torch.int16)), "bucket 2, swapped"
+        assert torch.equal(c[:1].view(torch.int16), a[:1].view(torch.int16)), "bucket 2, another companion"
     if big >= 4:  # bucket 4: 3 tokens alone vs the same 3 after another
         three = x[:3].contiguous()
         four = torch.cat([x[big - 1:big], three.flip(0)]).contiguous()
