@@ -382,9 +382,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
     norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
-    ntok = nb if nb <= 2 and nb > nf and F.single_layout(c, target, nb) else 0
-    if ntok and (nb == 1 or F.single_layout(c, target)):  # one token (two: single_two): one launch
-        kernel, smem = F.single_kernel(c, target, ntok)
+    if nb <= 2 and nb > nf and F.single_layout(c, target, nb):  # one token (two: single_two): one launch
+        kernel, smem = F.single_kernel(c, target, nb)
         return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem,
                                        coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
@@ -436,7 +435,7 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
     vb = F.single_cols(c, target) if F.single_layout(c, target) else 0  # down by columns' unit groups
-    ntok = 2 if vb and nmax >= 2 and F.single_layout(c, target, 2) else 1  # tokens of the largest one-launch bucket
+    ntok = 2 if nmax >= 2 and F.single_layout(c, target, 2) else 1  # tokens of the largest one-launch bucket
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),

@@ -1755,7 +1755,8 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // At N = 1 a fine-grained layer reads tens of MB in a few microseconds, and the dependent-launch
 // chain (router -> gate/up -> down) costs about as much as the bytes: each kernel's start, its
 // first memory round trip and its drain are exposed. This kernel runs the whole layer in one
-// grid of one block per multiprocessor, all resident (a cooperative launch):
+// grid of one block per multiprocessor, all resident (a cooperative launch). With down by
+// columns it also takes two tokens (NTOK, the N = 2 bucket: each token's units as at one token):
 //
 //   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
 //      shared expert's weights asked for into L2 meanwhile, or (warp 0's route) while warp 0
@@ -2049,7 +2050,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // gate/up (an mbarrier a unit), and are multiplied by its activations (each warp computes them
   // from the warps' sums) while the next unit streams. A warp's row tiles' sums over the units go
   // to shared memory, then to the group's partial sum of every output row (tagged words, spart
-  // [VB][H]); each block then adds its rows' VB partials in group order.
+  // [VB][NTOK][H]); each block then adds its rows' VB partials in group order.
   constexpr bool COLS = VB > 0;
   // SFIRST (COLS with a shared expert): a group's units in the order of the shared expert's TIS
   // tiles first, then the chosen experts' (slot, tile); a group whose first unit is the shared
@@ -2082,7 +2083,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
   float* red = reinterpret_cast<float*>(dyn + (COLS ? 0 : PIECES * PU4));
   __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
-  // OVERLAP: the route's mbarrier (every choice made), warp 0's 32 lanes arriving
+  // OVERLAP: the route's mbarrier (every choice made), the routing warps' lanes arriving (warp n: token n)
   __shared__ __align__(8) unsigned long long route_mem[1];
   // TAGS: the partial logits (route), then the activations (down), staged here
   constexpr int NLOG = NTOK * KSPLIT * ROWS_PAD, STAGE = TAGS && (COLS || 4 * NLOG > 2 * NACT) ? 4 * NLOG : 2 * NACT;
