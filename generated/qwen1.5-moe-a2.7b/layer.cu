@@ -2369,7 +2369,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     __syncthreads();
   }
   grid_dep_launch();  // every block is resident: the next kernel may be scheduled
-  if (blockIdx.x == 0 && threadIdx.x < K * NTOK) {  // the call's routing, for inspection
+  // the call's routing, for inspection (COLS: at the end, with the weights: block 0's warp 0 may
+  // not have waited for the other routing warps' choices here, where the block starts its shared
+  // expert's loads first)
+  if (!COLS && blockIdx.x == 0 && threadIdx.x < K * NTOK) {
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
     if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
@@ -2689,7 +2692,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     // partials loaded until every one is this call's; thread (j0, r) adds groups j0, j0 + JW, ...
     // in order, then row r adds the JW sums in order: a fixed order for every grid.
     // (NTOK: every token's rows alike, spart [VB][NTOK][H], out [NTOK][H])
-    if (blockIdx.x == 0 && threadIdx.x < K * NTOK) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+    if (blockIdx.x == 0 && threadIdx.x < K * NTOK) {  // for inspection (block 0 has a unit: its mbarriers
+      topk_ids[threadIdx.x] = s_ids[threadIdx.x];        // ordered every routing warp's writes before these reads)
+      topk_w[threadIdx.x] = s_w[threadIdx.x];
+    }
     constexpr int JW = THREADS / 16, PV = (VB + JW - 1) / JW;
     const int r = threadIdx.x & 15, j0 = threadIdx.x >> 4;
     for (int rb = blockIdx.x; rb < RT; rb += gridDim.x) {
