@@ -346,9 +346,12 @@ def _fp8_quant(a: np.ndarray) -> np.ndarray:
     n, c = a.shape
     blocks = np.pad(a, ((0, 0), (0, -c % 128))).reshape(n, -1, 128)
     scale = np.maximum(np.abs(blocks).max(axis=-1, keepdims=True), 1e-4) / 448.0
-    scale = scale.astype(np.float32).astype(np.float64)  # the scale is an fp32 value
-    q = (blocks / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return (q * scale).reshape(n, -1)[:, :c]
+    scale = scale.astype(np.float32)  # the scale is an fp32 value
+    # x / s in fp32 (the inputs are bf16 values), then rounded to e4m3, as the kernels and
+    # DeepSeek's act_quant do: a quotient rounded from float64 straight to e4m3 differs where
+    # the fp32 rounding crosses an e4m3 midpoint (ml_dtypes 0.7 casts float64 directly)
+    q = (blocks.astype(np.float32) / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (q * scale.astype(np.float64)).reshape(n, -1)[:, :c]
 
 
 def _static_fp8(x: np.ndarray, weights: Weights, name: str, shape: tuple[int, ...], e: int | None) -> np.ndarray:
