@@ -181,6 +181,15 @@ class Tuning:
     # tokens (each token's units as at one token: a group's pairs of unit and token, twice its
     # units, at most SINGLE_TWO_PAIRS); False: that bucket runs router, gate/up and down
     single_two: bool = True
+    # ... (one token, down by columns) the route by the whole block (route_block: every thread an
+    # expert, the choices ranked among the keys above a bound) rather than warp 0's while the other
+    # warps wait (route_one). None (the analytic plan): where the layer has no shared expert, whose
+    # units the groups that start with one begin streaming while warp 0 routes. Measured on the H200
+    # (2026-12-01, N = 1, one process, 6-8 interleaved rounds, the same bits), against warp 0's route:
+    # Mixtral-8x7B 190.30 -> 187.69 us, OLMoE 30.53 -> 29.48, Qwen3-30B-A3B 24.77 -> 24.65; with a
+    # shared expert slower: Qwen3-Next-80B-A3B 24.46 -> 25.10, DeepSeek-V2-Lite 38.74 -> 39.26
+    # (GLM-4.5-Air 88.87 -> 88.23, but 88.88 with warp 0's route by a bound, below)
+    single_block_route: bool | None = None
     # The GEMV buckets' pass width for the routed experts, in groups of 8 tokens (1-4; never more
     # than the bucket's own): 0, the analytic plan, takes twice the mean tokens per routed expert.
     routed_nt: int = 0
@@ -759,6 +768,18 @@ def single_overlap(c: Layer) -> bool:
     return c.tune.single_overlap and single_tags(c)
 
 
+def single_block_route(c: Layer, target: Target, ntok: int = 1) -> bool:
+    """Whether the one-token kernel routes with the whole block (tuning single_block_route; None:
+    without a shared expert) rather than warp 0's route_one: down by columns, one token, and a
+    rule route_block takes (every expert's selection value a function of its logit, one expert a
+    thread, at most 16 choices)."""
+    r = c.spec.routing
+    fits = (not (r.score.value == "softmax" and r.select.value == "scores" and r.correction_bias)
+            and c.e <= SINGLE_WARPS * 32 and c.k <= 16)
+    want = c.tune.single_block_route if c.tune.single_block_route is not None else not c.si
+    return bool(want and fits and ntok == 1 and single_cols(c, target) and single_tags(c))
+
+
 def single_tmap(c: Layer) -> bool:
     """Whether the one-token kernel asks for a block's down rows of one operand with one tensor
     copy (tuning single_tmap, on unless set): where they are pieces apart (down_tiles > 1). One
@@ -805,7 +826,7 @@ def single_kernel(c: Layer, target: Target, ntok: int = 1) -> tuple[Kernel, int]
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
             + ("_cols" if vb else "_tmap" if single_tmap(c) else "")
-            + ("_late" if single_late_down(c) else "")
+            + ("_late" if single_late_down(c) else "") + ("_br" if single_block_route(c, target, ntok) else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}") + (f"_x{ntok}" if ntok > 1 else "")
             + f"_{c.spec.arch}")
     kc = c.h // 32
@@ -813,7 +834,8 @@ def single_kernel(c: Layer, target: Target, ntok: int = 1) -> tuple[Kernel, int]
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb), str(ntok))
+             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb), str(ntok),
+             _b(single_block_route(c, target, ntok)))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),

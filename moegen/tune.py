@@ -36,7 +36,8 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
                Tuning(single_coop=False), Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1),
                Tuning(single_fp8=False), Tuning(single_fp4=False), Tuning(single_overlap=False),
                Tuning(single_overlap=False, down_tiles=1), Tuning(single_tmap=False), Tuning(single_late_down=True),
-               Tuning(single_late_down=False), Tuning(single_cols=False), Tuning(single_two=False)))
+               Tuning(single_late_down=False), Tuning(single_cols=False), Tuning(single_two=False),
+               Tuning(single_block_route=True), Tuning(single_block_route=False)))
 
 
 def _label(t: Tuning) -> str:

@@ -173,17 +173,23 @@ def _check_tied_call(name: str, spec, plan, layer, host, n: int, distinct: int, 
                 f"{name} N={n} ties of {distinct} rows")
 
 
+ROUTES = {"warp": Tuning(single_block_route=False), "block": Tuning(single_block_route=True),
+          "rows": Tuning(single_overlap=False)}
+
+
 @pytest.mark.parametrize("name,distinct,route", [(n, d, r) for n in ("qwen3-30b-a3b", "qwen3-next-80b-a3b")
-                                                  for d in (1, 5, 16) for r in ("warp", "block")])
+                                                  for d in (1, 5, 16) for r in ROUTES])
 def test_one_token_kernel_breaks_exact_ties_as_the_reference(name, distinct, route, tmp_path):
     """Router rows repeated (expert e's row is expert e % distinct's): equal logits exactly, in the
     kernel as in the reference, so the choices are decided by ties alone (the lower expert first,
     the reference's rule): at N = 1 the one-token kernel's choices equal the reference's in
-    order, and the output matches the reference on them, with warp 0's route (the analytic
-    plan's) and the whole block's (route_block). With one distinct row every expert ties."""
+    order, and the output matches the reference on them, with warp 0's route (route_one: its
+    bound, and past 32 candidates its rounds), the whole block's while down goes by columns
+    (route_block; the analytic plan's for the layer without a shared expert), and the whole
+    block's ahead of down by rows. With one distinct row every expert ties."""
     import torch
 
-    spec, plan, layer, host = _tied_layer(name, distinct, Tuning(single_overlap=route == "warp"), tmp_path, torch)
+    spec, plan, layer, host = _tied_layer(name, distinct, ROUTES[route], tmp_path, torch)
     assert plan.kernel(plan.buckets[0].launches[-1].kernel).family == "single"
     try:
         for _ in range(3):

@@ -293,7 +293,7 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
 def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
     """The N = 2 bucket of a layer whose one-token kernel goes down by columns with at most 4 units a
     group (8 unit-token pairs, families.SINGLE_TWO_PAIRS) is the same kernel for two tokens (`_x2`,
-    its last template argument 2), launched cooperatively on one block per multiprocessor; its
+    its template argument NTOK 2), launched cooperatively on one block per multiprocessor; its
     workspace holds both tokens' tagged logits and partial sums. Layers of 6 units a group
     (DeepSeek-V2-Lite) and the tuning single_two=False keep router, gate/up and down; N = 4 never
     takes it."""
@@ -305,8 +305,10 @@ def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
         one, two = (plan.kernel(b.launches[-1].kernel) for b in plan.buckets[:2])
         (ln,) = plan.buckets[1].launches
         assert two.family == "single" and "_x2_" in two.name and ln.coop and ln.grid == ("sms", 1), name
-        assert two.targs[-1] == "2" and one.targs[-1] == "1" and two.targs[:-1] == one.targs[:-1], name
-        vb, ks = int(one.targs[-2]), int(one.targs[11])
+        # (targs end: ..., VB, NTOK, BROUTE: the block's route at one token only)
+        assert two.targs[-2] == "2" and one.targs[-2] == "1" and two.targs[:-2] == one.targs[:-2], name
+        assert two.targs[-1] == "false", name
+        vb, ks = int(one.targs[-3]), int(one.targs[11])
         ws = {b.name: b.shape for b in plan.workspace}
         assert ws["spart"] == (2 * vb, plan.hidden) and ws["stl"][0] >= 2 * ks, name
         assert all(plan.kernel(x.kernel).family != "single" for b in plan.buckets[2:] for x in b.launches), name
@@ -324,6 +326,33 @@ def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
     (kernel, config, args), = rec.launches
     assert kernel == ln.kernel and "_x2_" in kernel and config.grid == (132, 1) and config.is_cooperative
     assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
+
+
+def test_the_one_token_kernel_routes_with_the_whole_block_where_no_shared_expert_streams_meanwhile():
+    """Down by columns at one token, a layer without a shared expert routes with the whole block
+    (route_block, `_br`, the kernel's last template argument true); with one (whose first units
+    some groups stream while warp 0 routes), with warp 0's route_one. The tuning overrides either
+    way where route_block takes the rule, and never reaches the two-token kernel or a rule it does
+    not take (a softmax ahead of a correction bias)."""
+    from moegen.families import Tuning
+
+    def single(name, tuning=None):
+        plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"), tuning=tuning)
+        return plan.kernel(plan.buckets[0].launches[-1].kernel)
+
+    for name, block in (("mixtral-8x7b", True), ("qwen3-30b-a3b", True), ("olmoe-1b-7b", True),
+                        ("qwen3-next-80b-a3b", False), ("deepseek-v2-lite", False), ("glm-4.5-air", False)):
+        k = single(name)
+        assert k.family == "single" and ("_br_" in k.name) == block and k.targs[-1] == str(block).lower(), name
+    assert "_br_" in single("qwen3-next-80b-a3b", Tuning(single_block_route=True)).name
+    assert "_br_" not in single("qwen3-30b-a3b", Tuning(single_block_route=False)).name
+    plan = make_plan(load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml"))
+    assert plan.kernel(plan.buckets[1].launches[-1].kernel).targs[-1] == "false"  # the two-token kernel
+    spec = parse_spec({**BASE, "experts": {"count": 64, "top_k": 8, "intermediate_size": 256},
+                       "routing": {"correction_bias": True}}, check_generated=False)  # softmax, then the bias
+    plan = make_plan(spec, tuning=Tuning(single_block_route=True))
+    k = plan.kernel(plan.buckets[0].launches[-1].kernel)
+    assert k.family == "single" and "_cols_" in k.name and "_br_" not in k.name and k.targs[-1] == "false"
 
 
 def test_one_token_kernel_with_tagged_words_or_barriers_compiles_and_launches(fake_cuda):

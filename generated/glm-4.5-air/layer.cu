@@ -662,18 +662,28 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
                           const float* __restrict__ router_bias, int* ids, float* s_pick, float* w_out, float* gate,
                           float* all_out, u32 chosen, After after, unsigned long long* s_cand, float* s_cscore) {
   constexpr int EPL = (E + 31) / 32;
+  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
+  static_assert(EPL <= 16, "route_one: at most 512 experts");
+  constexpr bool BOUND = P2 >= BOUND_MIN;  // (below)
+  // Lane l's experts: l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts, as the
+  // rounds below need for equal values), or (ILV: the bound, whose keys carry their expert, and
+  // E a multiple of 128) 4 l .. 4 l + 3 of every 128, so that a warp's 16-byte loads of the
+  // logits are 512 contiguous bytes (no bank conflicts; contiguous runs of EPL were 4-way)
+  constexpr bool ILV = BOUND && E % 128 == 0;
   const int lane = threadIdx.x & 31;
+  auto expert = [&](int i) { return ILV ? (i / 4) * 128 + 4 * lane + i % 4 : lane * EPL + i; };
   float v[EPL], sel[EPL];
   float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
 #pragma unroll
   for (int i = 0; i < EPL; ++i) v[i] = 0.0f;
 #pragma unroll
   for (int p = 0; p < KSPLIT; ++p) {
-    const float* row = logits + (size_t)p * PSTRIDE + lane * EPL;
-    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts are contiguous
+    const float* row = logits + (size_t)p * PSTRIDE + (ILV ? 4 * lane : lane * EPL);
+    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts come 4 at a time
 #pragma unroll
       for (int i = 0; i < EPL; i += 4) {
-        const float4 q = SMEM ? *reinterpret_cast<const float4*>(row + i) : __ldcg(reinterpret_cast<const float4*>(row + i));
+        const float* r4 = row + (ILV ? (i / 4) * 128 : i);
+        const float4 q = SMEM ? *reinterpret_cast<const float4*>(r4) : __ldcg(reinterpret_cast<const float4*>(r4));
         v[i] += q.x;
         v[i + 1] += q.y;
         v[i + 2] += q.z;
@@ -688,7 +698,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    const int e = lane * EPL + i;
+    const int e = expert(i);
     v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;
   }
   // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
@@ -705,7 +715,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      v[i] = lane * EPL + i < E ? expf(v[i] - mx) : 0.0f;
+      v[i] = expert(i) < E ? expf(v[i] - mx) : 0.0f;
       sum += v[i];
     }
     sum = warp_sum(sum);
@@ -717,11 +727,9 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    const int e = lane * EPL + i;
+    const int e = expert(i);
     sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
   }
-  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
-  static_assert(EPL <= 16, "route_one: at most 512 experts");
   // Where a lane holds BOUND_MIN (8; 16 in the router's last block, where 8 spilled beside the
   // router's registers) or more experts (BOUND), the k largest as one 64-bit order per expert (the
   // key above the inverted expert index: a larger value first, equal values the lower expert; every
@@ -736,29 +744,23 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   // over the next power of two, the slots past EPL keyed below every expert); each round the warp
   // takes the largest first key (the lowest lane among equal ones) and only that lane shifts its
   // list: one reduction, one ballot and a shift a round.
-  constexpr bool BOUND = P2 >= BOUND_MIN;
   if constexpr (BOUND) {
-    unsigned long long ent[EPL];
+    // T, the k-th largest lane maximum, by 32-bit order keys (equal values equal keys): each
+    // lane counts the lanes whose maximum is larger, and T is the smallest maximum with fewer
+    // than k larger (one min-reduction)
+    u32 k32[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) ent[i] = (unsigned long long)order_key(sel[i]) << 32 | (0xffffffffu - (u32)(lane * EPL + i));
-    auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
-      unsigned long long m[EPL];
+    for (int i = 0; i < EPL; ++i) k32[i] = order_key(sel[i]);
+    u32 head = k32[0];
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+    for (int i = 1; i < EPL; ++i) head = max(head, k32[i]);
+    int above[4] = {0, 0, 0, 0};  // (four sums: short dependency chains)
 #pragma unroll
-      for (int s = 1; s < EPL; s *= 2)
-#pragma unroll
-        for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
-      return m[0];
-    };
-    const unsigned long long head = lane_max();
-    int above = 0;  // lanes whose largest entry is larger than this lane's
-#pragma unroll
-    for (int m = 0; m < 32; ++m) above += __shfl_sync(0xffffffffu, head, m) > head;
-    const unsigned long long bound = __shfl_sync(0xffffffffu, head, __ffs(__ballot_sync(0xffffffffu, above == K - 1)) - 1);
+    for (int m = 0; m < 32; ++m) above[m & 3] += __shfl_sync(0xffffffffu, head, m) > head ? 1 : 0;
+    const u32 bound = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < K ? head : 0xffffffffu);
     int cnt = 0;  // this lane's entries >= T
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) cnt += ent[i] >= bound;
+    for (int i = 0; i < EPL; ++i) cnt += k32[i] >= bound ? 1 : 0;
     int off = cnt;  // inclusive scan over the lanes
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -767,22 +769,26 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     }
     const int total = __shfl_sync(0xffffffffu, off, 31);
     off -= cnt;
+    // each candidate's exact key: its order key above the inverted expert (a larger value first,
+    // equal values the lower expert; every key distinct and above 0, the empty slots' value)
+    auto full_key = [&](int i) { return (unsigned long long)k32[i] << 32 | (0xffffffffu - (u32)expert(i)); };
     if (total <= 32) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if (ent[i] >= bound) {
-          s_cand[off] = ent[i];
+        if (k32[i] >= bound) {
+          s_cand[off] = full_key(i);
           if (R::CORR_BIAS) s_cscore[off] = v[i];
           ++off;
         }
+      if (lane >= total) s_cand[lane] = 0ull;
       __syncwarp();
       if (lane < total) {
         const unsigned long long me = s_cand[lane];
         int r = 0;
 #pragma unroll
-        for (int j = 0; j < 32; j += 2) {  // (past total: not counted)
+        for (int j = 0; j < 32; j += 2) {
           const ulonglong2 o = *reinterpret_cast<const ulonglong2*>(s_cand + j);
-          r += (j < total && o.x > me) + (j + 1 < total && o.y > me);
+          r += (o.x > me ? 1 : 0) + (o.y > me ? 1 : 0);
         }
         if (r < K) {
           ids[r] = (int)(0xffffffffu - (u32)me);
@@ -790,6 +796,19 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         }
       }
     } else {
+      unsigned long long ent[EPL];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) ent[i] = full_key(i);
+      auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
+        unsigned long long m[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+#pragma unroll
+        for (int s = 1; s < EPL; s *= 2)
+#pragma unroll
+          for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
+        return m[0];
+      };
 #pragma unroll 1
       for (int j = 0; j < K; ++j) {
         const unsigned long long mine = lane_max();  // (a chosen entry is 0: below every expert's)
@@ -797,7 +816,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         const u32 klo = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32) == khi ? (u32)mine : 0u);
         const unsigned long long best = (unsigned long long)khi << 32 | klo;
         const int e = (int)(0xffffffffu - klo);
-        if (lane == e / EPL) {
+        if (lane == (ILV ? (e & 127) >> 2 : e / EPL)) {
 #pragma unroll
           for (int i = 0; i < EPL; ++i)
             if (ent[i] == best) {
@@ -868,7 +887,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   if (LOGIT_ORDER && !R::RENORM) {
     const float top = s_pick[0];  // the first choice: the largest logit
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    for (int i = 0; i < EPL; ++i) all += expert(i) < E ? expf(v[i] - top) : 0.0f;
     all = warp_sum(all);
   }
   if (OVERLAP) {
@@ -1855,6 +1874,13 @@ struct RouteBlockFits {
                                 K <= 16 && E >= K;
 };
 
+// route_one's bound (its 32-lane rank of the lanes' largest keys) from 2 experts a lane, where the
+// routers' kernels take it from 8: measured on the H200 (2026-12-01, N = 1, one process, 6-8
+// interleaved rounds, the same bits) against the k rounds of a warp reduction: GLM-4.5-Air 89.96
+// -> 88.88 us, OLMoE 30.53 -> 30.16, Qwen3-30B-A3B 25.06 -> 25.05, DeepSeek-V2-Lite 39.12 -> 39.18,
+// Qwen1.5-MoE 39.81 -> 39.89
+constexpr int SINGLE_BOUND_MIN = 2;
+
 // The route of the one token by the whole block (route_one's rules where RouteBlockFits): the
 // same choices, in the same order, into ids; their scores into pick, every expert's score (for
 // a softmax over all experts) into v_all and the shared gate's logit into gl, for
@@ -1992,7 +2018,7 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
 template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
           int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP,
-          bool LATE, int VB, int NTOK>
+          bool LATE, int VB, int NTOK, bool BROUTE>
 MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
                             const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
                             const uint4* __restrict__ ws2, const float* __restrict__ s13,
@@ -2061,6 +2087,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // The order alone, every group waiting for the route, was slower (Next 25.17 -> 25.22, V2-Lite
   // 40.01 -> 40.52), and the shared weights asked for into L2 during the route no faster.
   constexpr bool SFIRST = COLS && TIS > 0;
+  // BROUTE (COLS, one token, moegen.families.single_block_route): the route by the whole block
+  // (route_block), no warp waiting for another's choices
+  constexpr bool CROUTE = BROUTE && COLS && NTOK == 1 && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
+  static_assert(CROUTE == BROUTE, "the block's route: where route_block takes the rule");
   // NTOK tokens (COLS): each token's units as at one token. Group v takes units v, v + VB, ... of
   // every token, as (unit, token) pairs kk = k * NTOK + n in its stream, and keeps each token's sums
   // apart: a token's sums have the same order whatever the other token and its own index. The
@@ -2101,9 +2131,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   __shared__ float s_w[K * NTOK], s_gate[NTOK];
   // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
   // gate's logit; OVERLAP: the sum over every expert that route_weights may need
-  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE ? E : 1], s_gl, s_all[NTOK];
+  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE || CROUTE ? E : 1], s_gl, s_all[NTOK];
   __shared__ u32 s_ep;
-  __shared__ __align__(16) unsigned long long s_cand[32 * NTOK];  // route_one's candidates (a lane holding 8+ experts)
+  __shared__ __align__(16) unsigned long long s_cand[32 * NTOK];  // route_one's candidates (its bound: 2+ experts a lane)
   __shared__ float s_cscore[RouteRule::CORR_BIAS ? 32 * NTOK : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
@@ -2337,16 +2367,20 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
   if constexpr (ONE_RULES) {
-    if constexpr (BLOCK_ROUTE) {  // the logits staged in shared memory
+    if constexpr (BLOCK_ROUTE || CROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
+      if (CROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
+        __syncthreads();
+        if (warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
+      }
     } else if (warp < NTOK) {  // the logits staged in shared memory (TAGS) or in L2; warp n: token n
       const int n = warp;
       auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
         if (!LATE && !COLS && (int)blockIdx.x < H / 16) request(blockIdx.x);
       };
       route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
-                OVERLAP>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
+                OVERLAP, decltype(after), SINGLE_BOUND_MIN>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
                          s_w + n * K, s_gate + n, s_all + n, rbar, after, s_cand + 32 * n,
                          s_cscore + (RouteRule::CORR_BIAS ? 32 * n : 0));
       if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
@@ -2364,7 +2398,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (OVERLAP) {  // warps 1..: every choice is written
     // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
     // (NTOK > 1: the routing warps too, for the other token's choices)
-    if ((NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
+    if (!CROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
   }
@@ -2486,7 +2520,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (SFIRST && u0 < TIS) {  // the shared expert's unit: its first loads, then the choices
 #pragma unroll
         for (int s = 0; s < P; ++s) load(s, buf[s]);
-        if (NTOK > 1 || warp != 0) mbar_wait(rbar, 0);
+        if (!CROUTE && (NTOK > 1 || warp != 0)) mbar_wait(rbar, 0);
 #pragma unroll
         for (int k = 1; k < URT; ++k)
           if (k < nuu) unit_base(k);
@@ -3026,7 +3060,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_sigmoid_scor
 // one token in one launch: router (8 tiles x 8 parts), route in every block, gate/up (8 x 88 + 88 tiles), down by columns streamed behind them, partial sums a block; tagged words
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h4096_i1408_k8_si1408_ks8_n256_e128_k8_sigmoid_scores_cbias_renorm_fp32_silu_gated_t2_u6_ov_cols_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
-  single_body<128, 44, 44, 88, 88, 1408, 1408, 4096, 128, 8, 128, 8, 256, 2, false, 16, 6, 4, true, MOE_W_BF16, true, false, false, 132, 1>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
+  single_body<128, 44, 44, 88, 88, 1408, 1408, 4096, 128, 8, 128, 8, 256, 2, false, 16, 6, 4, true, MOE_W_BF16, true, false, false, 132, 1, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 128 rows x 4096, K split 32 ways, 8 tokens per pass; the last block routes

@@ -662,18 +662,28 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
                           const float* __restrict__ router_bias, int* ids, float* s_pick, float* w_out, float* gate,
                           float* all_out, u32 chosen, After after, unsigned long long* s_cand, float* s_cscore) {
   constexpr int EPL = (E + 31) / 32;
+  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
+  static_assert(EPL <= 16, "route_one: at most 512 experts");
+  constexpr bool BOUND = P2 >= BOUND_MIN;  // (below)
+  // Lane l's experts: l * EPL .. l * EPL + EPL - 1 (a lower lane holds lower experts, as the
+  // rounds below need for equal values), or (ILV: the bound, whose keys carry their expert, and
+  // E a multiple of 128) 4 l .. 4 l + 3 of every 128, so that a warp's 16-byte loads of the
+  // logits are 512 contiguous bytes (no bank conflicts; contiguous runs of EPL were 4-way)
+  constexpr bool ILV = BOUND && E % 128 == 0;
   const int lane = threadIdx.x & 31;
+  auto expert = [&](int i) { return ILV ? (i / 4) * 128 + 4 * lane + i % 4 : lane * EPL + i; };
   float v[EPL], sel[EPL];
   float gl = 0.0f;  // the shared-expert gate's logit, asked for with the others
 #pragma unroll
   for (int i = 0; i < EPL; ++i) v[i] = 0.0f;
 #pragma unroll
   for (int p = 0; p < KSPLIT; ++p) {
-    const float* row = logits + (size_t)p * PSTRIDE + lane * EPL;
-    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts are contiguous
+    const float* row = logits + (size_t)p * PSTRIDE + (ILV ? 4 * lane : lane * EPL);
+    if constexpr (E % 128 == 0) {  // 16-byte loads: a lane's experts come 4 at a time
 #pragma unroll
       for (int i = 0; i < EPL; i += 4) {
-        const float4 q = SMEM ? *reinterpret_cast<const float4*>(row + i) : __ldcg(reinterpret_cast<const float4*>(row + i));
+        const float* r4 = row + (ILV ? (i / 4) * 128 : i);
+        const float4 q = SMEM ? *reinterpret_cast<const float4*>(r4) : __ldcg(reinterpret_cast<const float4*>(r4));
         v[i] += q.x;
         v[i + 1] += q.y;
         v[i + 2] += q.z;
@@ -688,7 +698,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    const int e = lane * EPL + i;
+    const int e = expert(i);
     v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;
   }
   // Softmax over all experts, then the k largest (no correction bias): the order of the scores is
@@ -705,7 +715,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      v[i] = lane * EPL + i < E ? expf(v[i] - mx) : 0.0f;
+      v[i] = expert(i) < E ? expf(v[i] - mx) : 0.0f;
       sum += v[i];
     }
     sum = warp_sum(sum);
@@ -717,11 +727,9 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    const int e = lane * EPL + i;
+    const int e = expert(i);
     sel[i] = e < E ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
   }
-  constexpr int P2 = EPL <= 1 ? 1 : EPL <= 2 ? 2 : EPL <= 4 ? 4 : EPL <= 8 ? 8 : 16;
-  static_assert(EPL <= 16, "route_one: at most 512 experts");
   // Where a lane holds BOUND_MIN (8; 16 in the router's last block, where 8 spilled beside the
   // router's registers) or more experts (BOUND), the k largest as one 64-bit order per expert (the
   // key above the inverted expert index: a larger value first, equal values the lower expert; every
@@ -736,29 +744,23 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   // over the next power of two, the slots past EPL keyed below every expert); each round the warp
   // takes the largest first key (the lowest lane among equal ones) and only that lane shifts its
   // list: one reduction, one ballot and a shift a round.
-  constexpr bool BOUND = P2 >= BOUND_MIN;
   if constexpr (BOUND) {
-    unsigned long long ent[EPL];
+    // T, the k-th largest lane maximum, by 32-bit order keys (equal values equal keys): each
+    // lane counts the lanes whose maximum is larger, and T is the smallest maximum with fewer
+    // than k larger (one min-reduction)
+    u32 k32[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) ent[i] = (unsigned long long)order_key(sel[i]) << 32 | (0xffffffffu - (u32)(lane * EPL + i));
-    auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
-      unsigned long long m[EPL];
+    for (int i = 0; i < EPL; ++i) k32[i] = order_key(sel[i]);
+    u32 head = k32[0];
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+    for (int i = 1; i < EPL; ++i) head = max(head, k32[i]);
+    int above[4] = {0, 0, 0, 0};  // (four sums: short dependency chains)
 #pragma unroll
-      for (int s = 1; s < EPL; s *= 2)
-#pragma unroll
-        for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
-      return m[0];
-    };
-    const unsigned long long head = lane_max();
-    int above = 0;  // lanes whose largest entry is larger than this lane's
-#pragma unroll
-    for (int m = 0; m < 32; ++m) above += __shfl_sync(0xffffffffu, head, m) > head;
-    const unsigned long long bound = __shfl_sync(0xffffffffu, head, __ffs(__ballot_sync(0xffffffffu, above == K - 1)) - 1);
+    for (int m = 0; m < 32; ++m) above[m & 3] += __shfl_sync(0xffffffffu, head, m) > head ? 1 : 0;
+    const u32 bound = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < K ? head : 0xffffffffu);
     int cnt = 0;  // this lane's entries >= T
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) cnt += ent[i] >= bound;
+    for (int i = 0; i < EPL; ++i) cnt += k32[i] >= bound ? 1 : 0;
     int off = cnt;  // inclusive scan over the lanes
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -767,22 +769,26 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     }
     const int total = __shfl_sync(0xffffffffu, off, 31);
     off -= cnt;
+    // each candidate's exact key: its order key above the inverted expert (a larger value first,
+    // equal values the lower expert; every key distinct and above 0, the empty slots' value)
+    auto full_key = [&](int i) { return (unsigned long long)k32[i] << 32 | (0xffffffffu - (u32)expert(i)); };
     if (total <= 32) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if (ent[i] >= bound) {
-          s_cand[off] = ent[i];
+        if (k32[i] >= bound) {
+          s_cand[off] = full_key(i);
           if (R::CORR_BIAS) s_cscore[off] = v[i];
           ++off;
         }
+      if (lane >= total) s_cand[lane] = 0ull;
       __syncwarp();
       if (lane < total) {
         const unsigned long long me = s_cand[lane];
         int r = 0;
 #pragma unroll
-        for (int j = 0; j < 32; j += 2) {  // (past total: not counted)
+        for (int j = 0; j < 32; j += 2) {
           const ulonglong2 o = *reinterpret_cast<const ulonglong2*>(s_cand + j);
-          r += (j < total && o.x > me) + (j + 1 < total && o.y > me);
+          r += (o.x > me ? 1 : 0) + (o.y > me ? 1 : 0);
         }
         if (r < K) {
           ids[r] = (int)(0xffffffffu - (u32)me);
@@ -790,6 +796,19 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         }
       }
     } else {
+      unsigned long long ent[EPL];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) ent[i] = full_key(i);
+      auto lane_max = [&]() {  // this lane's largest entry (a tree over its experts)
+        unsigned long long m[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) m[i] = ent[i];
+#pragma unroll
+        for (int s = 1; s < EPL; s *= 2)
+#pragma unroll
+          for (int i = 0; i + s < EPL; i += 2 * s) m[i] = m[i + s] > m[i] ? m[i + s] : m[i];
+        return m[0];
+      };
 #pragma unroll 1
       for (int j = 0; j < K; ++j) {
         const unsigned long long mine = lane_max();  // (a chosen entry is 0: below every expert's)
@@ -797,7 +816,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         const u32 klo = __reduce_max_sync(0xffffffffu, (u32)(mine >> 32) == khi ? (u32)mine : 0u);
         const unsigned long long best = (unsigned long long)khi << 32 | klo;
         const int e = (int)(0xffffffffu - klo);
-        if (lane == e / EPL) {
+        if (lane == (ILV ? (e & 127) >> 2 : e / EPL)) {
 #pragma unroll
           for (int i = 0; i < EPL; ++i)
             if (ent[i] == best) {
@@ -868,7 +887,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   if (LOGIT_ORDER && !R::RENORM) {
     const float top = s_pick[0];  // the first choice: the largest logit
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) all += lane * EPL + i < E ? expf(v[i] - top) : 0.0f;
+    for (int i = 0; i < EPL; ++i) all += expert(i) < E ? expf(v[i] - top) : 0.0f;
     all = warp_sum(all);
   }
   if (OVERLAP) {
