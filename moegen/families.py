@@ -184,7 +184,8 @@ class Tuning:
     # ... (one token, down by columns) the route by the whole block (route_block: every thread an
     # expert, the choices ranked among the keys above a bound) rather than warp 0's while the other
     # warps wait (route_one). None (the analytic plan): where the layer has no shared expert, whose
-    # units the groups that start with one begin streaming while warp 0 routes. Measured on the H200
+    # units the groups that start with one begin streaming while warp 0 routes, and at most 128
+    # experts (route_block ranks each directly; Qwen3-Coder-480B's 160 are not measured). Measured on the H200
     # (2026-12-01, N = 1, one process, 6-8 interleaved rounds, the same bits), against warp 0's route:
     # Mixtral-8x7B 190.30 -> 187.69 us, OLMoE 30.53 -> 29.48, Qwen3-30B-A3B 24.77 -> 24.65; with a
     # shared expert slower: Qwen3-Next-80B-A3B 24.46 -> 25.10, DeepSeek-V2-Lite 38.74 -> 39.26
@@ -770,13 +771,16 @@ def single_overlap(c: Layer) -> bool:
 
 def single_block_route(c: Layer, target: Target, ntok: int = 1) -> bool:
     """Whether the one-token kernel routes with the whole block (tuning single_block_route; None:
-    without a shared expert) rather than warp 0's route_one: down by columns, one token, and a
-    rule route_block takes (every expert's selection value a function of its logit, one expert a
-    thread, at most 16 choices)."""
+    without a shared expert, at most a quarter as many experts as threads) rather than warp 0's
+    route_one: down by columns, one token, and a rule route_block takes (every expert's selection
+    value a function of its logit, one expert a thread, at most 16 choices)."""
     r = c.spec.routing
     fits = (not (r.score.value == "softmax" and r.select.value == "scores" and r.correction_bias)
             and c.e <= SINGLE_WARPS * 32 and c.k <= 16)
-    want = c.tune.single_block_route if c.tune.single_block_route is not None else not c.si
+    # the analytic rule where it was measured: every rank counted directly (4 E <= threads, one
+    # barrier); past that, route_block's rank of its group maxima took 1.2 us of Qwen3-Next's 2.1
+    want = (c.tune.single_block_route if c.tune.single_block_route is not None
+            else not c.si and 4 * c.e <= SINGLE_WARPS * 32)
     return bool(want and fits and ntok == 1 and single_cols(c, target) and single_tags(c))
 
 

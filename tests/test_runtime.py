@@ -329,9 +329,10 @@ def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
 
 
 def test_the_one_token_kernel_routes_with_the_whole_block_where_no_shared_expert_streams_meanwhile():
-    """Down by columns at one token, a layer without a shared expert routes with the whole block
-    (route_block, `_br`, the kernel's last template argument true); with one (whose first units
-    some groups stream while warp 0 routes), with warp 0's route_one. The tuning overrides either
+    """Down by columns at one token, a layer without a shared expert and with at most 128 experts
+    (each ranked directly) routes with the whole block (route_block, `_br`, the kernel's last
+    template argument true); with a shared expert (whose first units some groups stream while
+    warp 0 routes) or more experts, with warp 0's route_one. The tuning overrides either
     way where route_block takes the rule, and never reaches the two-token kernel or a rule it does
     not take (a softmax ahead of a correction bias)."""
     from moegen.families import Tuning
@@ -341,6 +342,7 @@ def test_the_one_token_kernel_routes_with_the_whole_block_where_no_shared_expert
         return plan.kernel(plan.buckets[0].launches[-1].kernel)
 
     for name, block in (("mixtral-8x7b", True), ("qwen3-30b-a3b", True), ("olmoe-1b-7b", True),
+                        ("qwen3-235b-a22b", True), ("qwen3-coder-480b-a35b", False),  # 128 / 160 experts
                         ("qwen3-next-80b-a3b", False), ("deepseek-v2-lite", False), ("glm-4.5-air", False)):
         k = single(name)
         assert k.family == "single" and ("_br_" in k.name) == block and k.targs[-1] == str(block).lower(), name
