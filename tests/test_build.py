@@ -836,3 +836,26 @@ def test_tune_can_vary_the_routed_experts_pass_width():
     assert "_nt1_" in gate_up(plans[4], 8)  # never wider than the bucket's own (8 tokens)
     with pytest.raises(ValueError, match="routed_nt=5"):
         make_plan(spec, tuning=Tuning(routed_nt=5))
+
+
+def test_the_kernel_stamps_find_their_places_and_compile():
+    """tests/gpu_trace.py (stamps of %globaltimer and clock64 inside the one-token kernel, run on a
+    GPU) marks fixed places of the rendered source: each is still there once, for warp 0's route
+    (Qwen3-Next-80B-A3B) and the whole block's (Qwen3-30B-A3B), and the marked source compiles
+    without spills. A place the templates lose is named."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gpu_trace import PLACES, instrument
+
+    for name, block in (("qwen3-next-80b-a3b", False), ("qwen3-30b-a3b", True)):
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+        plan = make_plan(spec)
+        single = plan.kernel(plan.buckets[0].launches[-1].kernel)
+        assert ("_br_" in single.name) == block
+        src = render_all(spec, plan)[CUDA_FILE]
+        marked = instrument(src)
+        # marks 0-14 and 20-24 (two places hold two: 4 and 5, 6 and 7), and the macro's definition
+        assert src.count("MOE_MARK(") == 0 and marked.count("MOE_MARK(") == 20 + 1 and len(PLACES) == 18
+        compiled = compile_parts(marked, plan.arch, plan.parts, display="marked.cu", use_cache=False)
+        assert compiled.resources[single.name].spill_stores == 0
+    with pytest.raises(ValueError, match="route_one|places like"):
+        instrument(src.replace("    off -= cnt;\n", ""))
