@@ -826,11 +826,12 @@ def single_kernel(c: Layer, target: Target, ntok: int = 1) -> tuple[Kernel, int]
     smem, ur = single_layout(c, target, ntok)
     ks = single_ksplit(c)
     vb = single_cols(c, target)
+    br = single_block_route(c, target, ntok)
     name = (f"moe_single_e{c.e}_h{c.h}_i{c.i}_k{c.k}" + (f"_si{c.si}" if c.si else "")
             + f"_ks{ks}_n{c.nmax}_{c.route_tag}_{c.act_tag}_t{c.tune.down_tiles}_u{ur}"
             + ("" if single_tags(c) else "_barriers") + ("_ov" if single_overlap(c) else "")
             + ("_cols" if vb else "_tmap" if single_tmap(c) else "")
-            + ("_late" if single_late_down(c) else "") + ("_br" if single_block_route(c, target, ntok) else "")
+            + ("_late" if single_late_down(c) else "") + ("_br" if br else "")
             + ("" if c.kf_e == "bf16" else f"_{c.kf_e}") + (f"_x{ntok}" if ntok > 1 else "")
             + f"_{c.spec.arch}")
     kc = c.h // 32
@@ -838,8 +839,7 @@ def single_kernel(c: Layer, target: Target, ntok: int = 1) -> tuple[Kernel, int]
                         ks, c.nmax, c.tune.down_tiles)), _b(c.gated),
              *map(str, (SINGLE_WARPS, ur, SINGLE_INFLIGHT_FP4 if c.kf_e in FP4_FORMATS else _inflight(kc // SINGLE_WARPS))),
              _b(single_tags(c)), FMT_MACRO[c.kf_e],
-             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb), str(ntok),
-             _b(single_block_route(c, target, ntok)))
+             _b(single_overlap(c)), _b(single_tmap(c) and not vb), _b(single_late_down(c)), str(vb), str(ntok), _b(br))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const uint4* __restrict__ w13", "w13", "w.w13"),
             ("const uint4* __restrict__ ws13", "ws13", "w.ws13"), ("const uint4* __restrict__ w2", "w2", "w.w2"),
             ("const uint4* __restrict__ ws2", "ws2", "w.ws2"),

@@ -2089,8 +2089,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   constexpr bool SFIRST = COLS && TIS > 0;
   // BROUTE (COLS, one token, moegen.families.single_block_route): the route by the whole block
   // (route_block), no warp waiting for another's choices
-  constexpr bool CROUTE = BROUTE && COLS && NTOK == 1 && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
-  static_assert(CROUTE == BROUTE, "the block's route: where route_block takes the rule");
+  static_assert(!BROUTE || (COLS && NTOK == 1 && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value),
+                "the block's route: down by columns, one token, where route_block takes the rule");
   // NTOK tokens (COLS): each token's units as at one token. Group v takes units v, v + VB, ... of
   // every token, as (unit, token) pairs kk = k * NTOK + n in its stream, and keeps each token's sums
   // apart: a token's sums have the same order whatever the other token and its own index. The
@@ -2131,7 +2131,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   __shared__ float s_w[K * NTOK], s_gate[NTOK];
   // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
   // gate's logit; OVERLAP: the sum over every expert that route_weights may need
-  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE || CROUTE ? E : 1], s_gl, s_all[NTOK];
+  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE || BROUTE ? E : 1], s_gl, s_all[NTOK];
   __shared__ u32 s_ep;
   __shared__ __align__(16) unsigned long long s_cand[32 * NTOK];  // route_one's candidates (its bound: 2+ experts a lane)
   __shared__ float s_cscore[RouteRule::CORR_BIAS ? 32 * NTOK : 1];
@@ -2367,10 +2367,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
   if constexpr (ONE_RULES) {
-    if constexpr (BLOCK_ROUTE || CROUTE) {  // the logits staged in shared memory
+    if constexpr (BLOCK_ROUTE || BROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
-      if (CROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
+      if (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
         __syncthreads();
         if (warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
       }
@@ -2398,7 +2398,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (OVERLAP) {  // warps 1..: every choice is written
     // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
     // (NTOK > 1: the routing warps too, for the other token's choices)
-    if (!CROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
+    if (!BROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
   } else {
     __syncthreads();
   }
@@ -2520,7 +2520,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (SFIRST && u0 < TIS) {  // the shared expert's unit: its first loads, then the choices
 #pragma unroll
         for (int s = 0; s < P; ++s) load(s, buf[s]);
-        if (!CROUTE && (NTOK > 1 || warp != 0)) mbar_wait(rbar, 0);
+        if (!BROUTE && (NTOK > 1 || warp != 0)) mbar_wait(rbar, 0);
 #pragma unroll
         for (int k = 1; k < URT; ++k)
           if (k < nuu) unit_base(k);
