@@ -8,10 +8,10 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from . import __version__
+from . import __version__, uptodate
 from .families import Tuning
 from .nvrtc import Compiled, compile_parts, nvrtc_version, options_of
 from .plan import Plan, PlanError, make_plan
@@ -32,6 +32,18 @@ class BuildResult:
     out_dir: Path
     compiled: Compiled
     seconds: float
+
+
+def summary(r: BuildResult, how: str | None = None) -> str:
+    """The build's line: "<name>: <kernels>, <buckets>, <arch>, <how>; <registers>, <spills> -> <dir>";
+    how: "cached in 0.07 s" or "compiled in 1.95 s" unless given."""
+    res = r.compiled.resources
+    spills = sum(x.spill_stores + x.spill_loads for x in res.values())
+    regs = max((x.registers for x in res.values()), default=0)
+    how = how or f"{'cached' if r.compiled.cached else 'compiled'} in {r.seconds:.2f} s"
+    return (f"{r.spec.name}: {len(r.plan.kernels)} kernels, {len(r.plan.buckets)} token buckets "
+            f"(N <= {r.plan.max_tokens}), {r.plan.arch}, {how}; max {regs} registers, {spills} spill bytes "
+            f"-> {r.out_dir}")
 
 
 def render_all(spec: Spec, plan: Plan) -> dict[str, str]:
@@ -123,10 +135,12 @@ def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str |
     """Validate, plan, render and compile one spec, then replace out_root/<name>/ with the result.
 
     Every check that can fail (spec, arch, plan, output root, NVRTC) runs before anything is
-    written; the write itself is atomic (write_dir).
+    written; the write itself is atomic (write_dir). With the cache, a stamp of the build's inputs
+    and outputs is kept for the next build's up-to-date check (moegen.uptodate).
     """
     t0 = time.perf_counter()
     spec = load_spec(spec_path)
+    inputs = uptodate.inputs_now(spec_path, out_root, spec.name) if use_cache else None
     if arch is not None and arch != spec.arch:
         # Through parse_spec, so an arch the schema refuses is a SpecError naming the field.
         spec = parse_spec({**spec.model_dump(mode="json"), "arch": arch}, f"{spec_path} (--arch {arch})")
@@ -140,7 +154,11 @@ def build(spec_path: str | Path, out_root: str | Path = "generated", arch: str |
     compiled = compile_parts(files[CUDA_FILE], plan.arch, plan.parts, display=str(out_dir / CUDA_FILE), use_cache=use_cache)
     files[MANIFEST_FILE] = manifest_text(spec, plan, compiled)
     write_dir(out_dir, files)
-    return BuildResult(spec, plan, out_dir, compiled, time.perf_counter() - t0)
+    result = BuildResult(spec, plan, out_dir, compiled, time.perf_counter() - t0)
+    if use_cache:
+        line = summary(replace(result, out_dir=Path("{out_dir}")), how="{how}")
+        uptodate.record(spec_path, out_root, arch, spec.name, inputs, files, compiled.keys, line)
+    return result
 
 
 def check_writable(root: Path) -> None:

@@ -6,13 +6,19 @@ import argparse
 import sys
 
 from . import __version__
-from .build import BuildError, build
-from .hf import HFError
-from .nvrtc import CacheError, CompileError
-from .plan import PlanError
-from .spec import SpecError
 
-_USER_ERRORS = (SpecError, PlanError, CompileError, CacheError, BuildError, HFError)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the input's, reported in one line (imported only when one is raised:
+    an up-to-date build imports none of the compiler)."""
+    from .build import BuildError
+    from .checkpoint import CheckpointError  # (numpy with it: not imported by a build)
+    from .hf import HFError
+    from .nvrtc import CacheError, CompileError
+    from .plan import PlanError
+    from .spec import SpecError
+
+    return (SpecError, PlanError, CompileError, CacheError, BuildError, HFError, CheckpointError, BenchError, OSError)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -20,6 +26,8 @@ def _error_text(exc: BaseException) -> str:
     if isinstance(exc, OSError):  # a path the user gave: missing, a directory, not readable
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror or exc}"
+    from .nvrtc import CompileError
+
     head, *rest = str(exc).splitlines() or [type(exc).__name__]
     if isinstance(exc, CompileError):
         return "\n".join([head, *("  " + line for line in rest)])
@@ -29,15 +37,15 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    from .uptodate import check
+
     for path in args.specs:
-        r = build(path, args.out, arch=args.arch, use_cache=not args.no_cache)
-        res = r.compiled.resources
-        spills = sum(x.spill_stores + x.spill_loads for x in res.values())
-        regs = max((x.registers for x in res.values()), default=0)
-        how = "cached" if r.compiled.cached else "compiled"
-        print(f"{r.spec.name}: {len(r.plan.kernels)} kernels, {len(r.plan.buckets)} token buckets "
-              f"(N <= {r.plan.max_tokens}), {r.plan.arch}, {how} in {r.seconds:.2f} s; "
-              f"max {regs} registers, {spills} spill bytes -> {r.out_dir}")
+        line = None if args.no_cache else check(path, args.out, args.arch)
+        if line is None:  # (the compiler imported only here)
+            from .build import build, summary
+
+            line = summary(build(path, args.out, arch=args.arch, use_cache=not args.no_cache))
+        print(line)
     return 0
 
 
@@ -172,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Exception as exc:
-        from .checkpoint import CheckpointError  # (numpy with it: not imported by a build)
-
-        if not isinstance(exc, (*_USER_ERRORS, CheckpointError, BenchError, OSError)):
+        if not isinstance(exc, _user_errors()):
             raise
         print(f"moegen: error: {_error_text(exc)}", file=sys.stderr)
         return 1

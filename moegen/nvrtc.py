@@ -24,6 +24,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from . import __version__
+from .cache import cache_dir, read_entry
 
 STD = "c++17"
 
@@ -52,6 +53,7 @@ class Compiled:
     resources: dict[str, KernelResources]
     cached: bool
     key: str
+    keys: tuple[str, ...] = ()  # the cache entries' keys, one per program
 
     @property
     def cubin(self) -> bytes:
@@ -81,14 +83,6 @@ def options_of(arch: str, part: int | None = None) -> dict[str, object]:
     if part is not None:
         opts.update(split_compile=1, define_macro=f"MOE_PART={part}")
     return opts
-
-
-def cache_dir() -> Path:
-    """$MOEGEN_CACHE, else $XDG_CACHE_HOME/moegen, else ~/.cache/moegen (an empty variable counts as unset)."""
-    if os.environ.get("MOEGEN_CACHE"):
-        return Path(os.environ["MOEGEN_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "moegen"
 
 
 def cache_key(source: str, arch: str, part: int | None = None) -> str:
@@ -193,7 +187,7 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
     key = cache_key(source, arch, part)
     if not use_cache:
         cubin, log = _compile_uncached(source, arch, display, part)
-        return Compiled((cubin,), log, parse_resources(log), cached=False, key=key)
+        return Compiled((cubin,), log, parse_resources(log), cached=False, key=key, keys=(key,))
     root = cache_dir()
     entry = root / key
     hit = _cached(key)
@@ -215,7 +209,7 @@ def compile_cuda(source: str, arch: str, display: str = "layer.cu", use_cache: b
         _write_entry(root, entry, key, cubin, log)
     finally:
         lock.release()
-    return Compiled((cubin,), log, parse_resources(log), cached=False, key=key)
+    return Compiled((cubin,), log, parse_resources(log), cached=False, key=key, keys=(key,))
 
 
 def compile_parts(source: str, arch: str, parts: int, display: str = "layer.cu", use_cache: bool = True) -> Compiled:
@@ -237,26 +231,13 @@ def compile_parts(source: str, arch: str, parts: int, display: str = "layer.cu",
         resources.update(c.resources)
     key = hashlib.sha256("".join(c.key for c in done).encode()).hexdigest()
     return Compiled(tuple(c.cubin for c in done), "\n".join(c.log for c in done), resources,
-                    cached=all(c.cached for c in done), key=key)
+                    cached=all(c.cached for c in done), key=key, keys=tuple(c.key for c in done))
 
 
 def _cached(key: str) -> Compiled | None:
     """The cache's entry `key`, if it holds a whole one (no lock: only read)."""
-    hit = _read_entry(cache_dir() / key, key)
-    return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key) if hit else None
-
-
-def _read_entry(entry: Path, key: str) -> tuple[bytes, str] | None:
-    """The entry's cubin and log, or None when it is missing, partial or corrupt (never loaded then)."""
-    try:
-        meta = json.loads((entry / "meta.json").read_text())
-        cubin = (entry / "layer.cubin").read_bytes()
-    except (OSError, ValueError):
-        return None
-    if (not isinstance(meta, dict) or meta.get("key") != key or not isinstance(meta.get("log"), str)
-            or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256")):
-        return None
-    return cubin, meta["log"]
+    hit = read_entry(cache_dir() / key, key)
+    return Compiled((hit[0],), hit[1], parse_resources(hit[1]), cached=True, key=key, keys=(key,)) if hit else None
 
 
 def _write_entry(root: Path, entry: Path, key: str, cubin: bytes, log: str) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from . import __version__
+from .uptodate import template_dir
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -19,17 +20,8 @@ CUDA_FILE = "layer.cu"
 LAUNCHER_FILE = "launcher.py"
 
 
-def template_dir() -> Path:
-    """templates/ beside the package in a source tree; moegen/templates once installed."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "templates", here.parent / "templates"):
-        if (cand / "layer.cu.j2").is_file():
-            return cand
-    raise FileNotFoundError(f"moegen templates not found beside {here}")
-
-
 def _env() -> jinja2.Environment:
-    from .nvrtc import cache_dir
+    from .cache import cache_dir
 
     root = template_dir()
     try:  # Jinja's compiled templates beside the cubins: a cached build skips compiling them

@@ -3,6 +3,7 @@ mistake is one `moegen: error:` line on stderr, a non-zero status, no traceback,
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 import moegen
 import moegen.build as build_mod
+import moegen.uptodate as up
 from moegen.cli import main
 from moegen.render import CUDA_FILE
 
@@ -70,9 +72,82 @@ def test_second_build_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFi
     main(["build", str(QWEN), "--out", str(tmp_path)])
     capsys.readouterr()
     assert main(["build", str(QWEN), "--out", str(tmp_path)]) == 0
+    assert ", up to date in " in capsys.readouterr().out
+    launcher = tmp_path / "qwen3-30b-a3b" / "launcher.py"
+    written = launcher.read_text()
+    launcher.write_text(written + "# edited\n")  # an output changed: the build runs, from the cubin cache
+    assert main(["build", str(QWEN), "--out", str(tmp_path)]) == 0
     assert ", cached in " in capsys.readouterr().out
+    assert launcher.read_text() == written
     assert main(["build", str(QWEN), "--out", str(tmp_path), "--no-cache"]) == 0
     assert ", compiled in " in capsys.readouterr().out
+
+
+def _up_to_date(spec: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> bool:
+    assert main(["build", str(spec), "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith(f"{spec.stem}: ") and line.endswith(f"-> {out / spec.stem}\n"), line
+    return ", up to date in " in line
+
+
+def test_a_build_is_up_to_date_only_while_its_inputs_and_outputs_are_unchanged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    spec, out = tmp_path / "olmoe-1b-7b.yaml", tmp_path / "gen"
+    spec.write_text(OLMOE.read_text())
+    assert not _up_to_date(spec, out, capsys)
+    assert _up_to_date(spec, out, capsys)
+    spec.write_text(OLMOE.read_text() + "max_tokens: 128\n")  # another plan
+    assert not _up_to_date(spec, out, capsys)
+    assert "N <= 128" in (out / "olmoe-1b-7b" / "launcher.py").read_text()
+    assert _up_to_date(spec, out, capsys)
+    (out / "olmoe-1b-7b" / "stray.txt").write_text("x")  # an output directory not as written
+    assert not _up_to_date(spec, out, capsys)
+    assert not (out / "olmoe-1b-7b" / "stray.txt").exists()
+    assert _up_to_date(spec, out, capsys)
+    (out / "olmoe-1b-7b.tuning.json").write_text('{"warps": 8, "down_tiles": 1}')  # a tuning file appears
+    assert not _up_to_date(spec, out, capsys)
+    assert _up_to_date(spec, out, capsys)
+    for key in json.loads(up._stamp_path(spec, out, None).read_text())["cubins"]:  # a corrupt cubin: compiled again
+        (Path(os.environ["MOEGEN_CACHE"]) / key / "layer.cubin").write_bytes(b"corrupt")
+    assert not _up_to_date(spec, out, capsys)
+    assert _up_to_date(spec, out, capsys)
+    templates = tmp_path / "templates"  # moegen's own code changed (a template)
+    templates.mkdir()
+    for t in up.template_dir().glob("*.j2"):
+        (templates / t.name).write_text(t.read_text() + ("// changed\n" if t.name == "route.cu.j2" else ""))
+    monkeypatch.setattr(up, "template_dir", lambda: templates)
+    assert not _up_to_date(spec, out, capsys)
+
+
+def test_no_stamp_where_nvrtc_is_not_the_site_packages_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]):
+    from types import SimpleNamespace
+
+    from cuda import pathfinder
+
+    real = pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    assert _up_to_date(OLMOE, tmp_path, capsys) is False
+    assert _up_to_date(OLMOE, tmp_path, capsys) is True
+    # found elsewhere (a system CUDA, which another NVRTC installed later would go ahead of): no stamp
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib",
+                        lambda name: SimpleNamespace(abs_path=real.abs_path, found_via="system-search"))
+    (tmp_path / "olmoe-1b-7b" / "launcher.py").write_text("# edited\n")
+    assert _up_to_date(OLMOE, tmp_path, capsys) is False
+    assert not up._stamp_path(OLMOE, tmp_path, None).exists()
+    assert _up_to_date(OLMOE, tmp_path, capsys) is False
+
+
+def test_an_up_to_date_build_imports_none_of_the_compiler(tmp_path: Path):
+    env = {**os.environ, "PYTHONPATH": PKG_PARENT}
+    code = ("import sys\nfrom moegen.cli import main\nmain(['build', sys.argv[1], '--out', sys.argv[2]])\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'jinja2', 'numpy', 'yaml', 'filelock'}"
+            " | {m for m in sys.modules if m.startswith('cuda.bindings')}))")
+    for expect in ("compiled in ", "up to date in "):
+        r = subprocess.run([sys.executable, "-c", code, str(OLMOE), str(tmp_path)], env=env, capture_output=True,
+                           text=True, check=True)
+        line, imported = r.stdout.splitlines()
+        assert expect in line or (expect == "compiled in " and "cached in " in line), line
+    assert imported == "[]", imported
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -171,6 +246,7 @@ def test_compile_error_is_one_line_then_the_details(tmp_path: Path, monkeypatch:
         return files
 
     monkeypatch.setattr(build_mod, "render_all", broken)
+    monkeypatch.setattr(up, "check", lambda *a: None)  # (moegen's code changed: the stamp would see it)
     assert main(["build", str(QWEN), "--out", str(out)]) != 0
     err = capsys.readouterr().err
     line = one_error(err)
