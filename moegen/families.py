@@ -29,6 +29,7 @@ ROUTE_THREADS = 256  # the route kernel: one warp per token, 8 tokens a block
 # 17.6-22 us at N = 64-256 on the H200; 256 threads also leave a lane the registers for any
 # number of scored experts)
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
+PREFILL_STAGES = (3, 4, 5, 6, 7, 8)  # the prefill GEMMs' ring depths (those that fit: moegen.prefill_plan.unsupported)
 FP4_FORMATS = ("mxfp4", "nvfp4")  # e2m1 codes: two matrices (gate and up, or two down tiles) share a fragment
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
 A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_block_a8": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}
@@ -205,11 +206,11 @@ class Tuning:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: 1, 2, 4 or 8, dividing hidden_size={h} by 16 each")
         if fp4 and self.down_tiles % 2:
             raise TuningError(f"tuning down_tiles={self.down_tiles}: FP4 tiles pair their matrices (an even count)")
-        if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, 3, 4):
+        if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, *PREFILL_STAGES):
             raise TuningError(f"tuning prefill_bm={self.prefill_bm}, prefill_stages={self.prefill_stages}: "
-                              "bm 64 or 128, 3 or 4 stages (0: the analytic choice)")
-        if self.prefill_down_stages not in (0, 3, 4):
-            raise TuningError(f"tuning prefill_down_stages={self.prefill_down_stages}: 3 or 4 (0: as prefill_stages)")
+                              "bm 64 or 128, 3 to 8 stages (0: the analytic choice)")
+        if self.prefill_down_stages not in (0, *PREFILL_STAGES):
+            raise TuningError(f"tuning prefill_down_stages={self.prefill_down_stages}: 3 to 8 (0: as prefill_stages)")
         if self.prefill_from < 0:
             raise TuningError(f"tuning prefill_from={self.prefill_from}: 0 (analytic) or a token count")
         if self.fused < 0:

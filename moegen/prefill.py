@@ -51,14 +51,18 @@ class GemmTiles:
     # The GEMMs with a producer warpgroup (gate/up; down with down_pair): each warp's weight run of
     # a k-tile by one bulk copy (the copy engine) instead of the producers' cp.async.
     bulk_a: bool = False
+    # FP4 weights ("mxfp4" or "nvfp4"; with the producer warpgroup, bulk_a and down_pair): e2m1
+    # codes and their row scales in each stage (a quarter of BF16's A bytes, and 1 KB of scales),
+    # each code times its scale a bf16 A fragment, exactly; the products as BF16's
+    fp4: str = ""
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
             raise ValueError(f"bm={self.bm}: 64 token rows per warpgroup, 1 to 4 warpgroups")
         if self.bn % 16 or not 16 <= self.bn <= 256 or (self.bn * 8) % self.threads:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
-        if self.stages < 3 or self.down_stages not in (0, 3, 4):
-            raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: at least 3; down 3 or 4 (0: as stages)")
+        if not 3 <= self.stages <= 8 or self.down_stages not in (0, 3, 4, 5, 6, 7, 8):
+            raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: 3 to 8 (down 0: as stages)")
         if self.fp8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
                              "(a K block's accumulators beside the sums)")
@@ -68,6 +72,9 @@ class GemmTiles:
             raise ValueError("down_pair without the producer warpgroup")
         if self.bulk_a and not self.ws:
             raise ValueError("bulk_a: the GEMMs with the producer warpgroup only")
+        if self.fp4 not in ("", "mxfp4", "nvfp4") or (self.fp4 and (self.fp8 or not (self.bulk_a and self.down_pair))):
+            raise ValueError(f"fp4={self.fp4!r}: mxfp4 or nvfp4, not with fp8, with bulk_a and down_pair (each warp's "
+                             "fragments hold two matrices)")
 
     @property
     def dstages(self) -> int:
@@ -101,7 +108,7 @@ class GemmTiles:
     @property
     def wfmt(self) -> str:
         """The weights' format in the kernels' names."""
-        return "fp8a8" if self.a8 else "fp8" if self.fp8 else "bf16"
+        return "fp8a8" if self.a8 else "fp8" if self.fp8 else self.fp4 or "bf16"
 
     @property
     def gate_up_name(self) -> str:
@@ -123,9 +130,11 @@ class GemmTiles:
 
     def _stage(self, units: int) -> int:
         """A stage of the ring: the tokens' B tile, each warp's `units` 16-byte fragments a lane (FP8
-        weight-only: half of them), the tokens' scales (A8: 1 KB) and the stage's two barriers."""
-        return (self.bn * 128 + self.threads // 32 * (units // 2 if self.fp8 and not self.a8 else units) * 512
-                + (1024 if self.a8 else 0) + (16 if self.ws else 0))
+        weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
+        scales (FP4: 1 KB) and the stage's two barriers."""
+        per_warp = units // 2 if self.fp8 and not self.a8 else units // 4 if self.fp4 else units
+        return (self.bn * 128 + self.threads // 32 * per_warp * 512 + (1024 if self.a8 or self.fp4 else 0)
+                + (16 if self.ws else 0))
 
     @property
     def down_smem_bytes(self) -> int:

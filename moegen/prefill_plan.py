@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .families import QUANT_THREADS, quant_blocks
+from .families import FP4_FORMATS, QUANT_THREADS, quant_blocks
 from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past 
 # 186.7 / 190.7 / 197.0 us; DeepSeek-V3-FP8-a8 N = 16 / 32 / 64 / 128: 1481 / 3635 / 5037 / 6392 us
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
+FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -48,23 +49,32 @@ def tiles(c: Layer) -> GemmTiles:
     bm = t.prefill_bm or TILES.bm
     # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
+    bulk = t.prefill_bulk_a and t.prefill_ws
+    # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
+    fp4 = c.fmt_e if c.fmt_e in FP4_FORMATS and bulk and pair else ""
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
-                     bulk_a=t.prefill_bulk_a and t.prefill_ws)
+                     bulk_a=bulk, fp4=fp4)
 
 
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take SiLU-gated
     routed experts without biases, all on this device, in BF16 or FP8 block (bf16 activations, or
     with experts.fp8_activations e4m3 codes per token and 128 channels; with the producer
-    warpgroup), and a shared expert in the routed experts' format (as one more GEMM pair over all
-    tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)."""
+    warpgroup), MXFP4 or NVFP4 (with the producer warpgroup, the weights by bulk copies and the down
+    GEMMs on row-group pairs), and a shared expert in the routed experts' format (as one more GEMM
+    pair over all tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)."""
+    from .plan import TARGETS
+
     spec = c.spec
     w = tiles(c).threads // 32
     fp8 = c.fmt_e == "fp8_block"
     checks = (
-        (c.fmt_e not in ("bf16", "fp8_block"), f"experts.format={c.fmt_e}"),
+        (c.fmt_e not in ("bf16", "fp8_block", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
+        (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
+         f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
+         "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
         (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
@@ -76,6 +86,8 @@ def unsupported(c: Layer) -> str:
         (c.h % 64 or c.i % 64, "hidden and expert widths not multiples of 64"),
         ((c.i // 16) % w or (c.h // 16) % w, f"widths not whole blocks of {w} 16-row tiles"),
         (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
+        (max(tiles(c).gate_up_smem_bytes, tiles(c).down_smem_bytes) > TARGETS[c.spec.arch].smem_per_block,
+         f"the GEMMs' rings of {tiles(c).stages} / {tiles(c).dstages} stages exceed a block's shared memory"),
     )
     return "; ".join(why for bad, why in checks if bad)
 
@@ -152,23 +164,25 @@ def kernels(c: Layer) -> dict[str, Kernel]:
 
     def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
-        on row groups of two tiles) and BULK (weight runs by bulk copies) up to the last that is not
-        its default."""
+        on row groups of two tiles), BULK (weight runs by bulk copies) and F4 (FP4 weights) up to the
+        last that is not its default."""
         pair = gated == "false" and t.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (t.fp8, t.a8, pair,
-                                                                          t.bulk_a and (gated == "true" or pair)))]
-        default = [None, None, gated, "false", "false", "false", "false"]
+                                                                          t.bulk_a and (gated == "true" or pair))),
+                FP4_MACRO.get(t.fp4, "0")]
+        default = [None, None, gated, "false", "false", "false", "false", "0"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
 
-    # FP8: the block scales after the GEMMs' other arguments; A8: then the input rows' scales
+    # FP8: the block scales after the GEMMs' other arguments (FP4: the row scales' records, as
+    # bytes); A8: then the input rows' scales
     def scales(name: str, xs: str = "") -> tuple:
-        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 else ()) + (
+        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 or t.fp4 else ()) + (
             ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if t.a8 else ())
 
     def sarg(name: str, xs: str = "") -> tuple[str, ...]:
-        return ((name,) if t.fp8 else ()) + ((xs,) if t.a8 else ())
+        return ((name,) if t.fp8 or t.fp4 else ()) + ((xs,) if t.a8 else ())
 
     # the GEMMs' inputs: bf16 rows (X' permuted, H' permuted by the gate/up epilogue), or with A8
     # the e4m3 codes the quantization kernels write (x, then H in column order)

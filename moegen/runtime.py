@@ -313,10 +313,13 @@ class Layer:
 
     def load_weights_from(self, other: Layer) -> None:
         """This layer's weights: a device copy of another loaded layer's packed weights (the same
-        plan), with no host work. moegen bench stacks layers this way: the same values at other
-        addresses keep each layer's weights out of L2 as well as new values would."""
-        if other.plan != self.plan:
-            raise ValueError("load_weights_from: the other layer was generated from another plan")
+        packed layout: the same plan, or one that differs only in its kernels), with no host work.
+        moegen bench stacks layers this way: the same values at other addresses keep each layer's
+        weights out of L2 as well as new values would."""
+        if (other.plan.weights, other.plan.raw, other.plan.tensor_maps) != (
+                self.plan.weights, self.plan.raw, self.plan.tensor_maps):
+            raise ValueError("load_weights_from: the other layer's packed weights have another layout "
+                             "(another spec, or a tuning that packs them otherwise)")
         if other._weights is None:
             raise RuntimeError("load_weights_from: the other layer has no weights loaded")
         self.device.set_current()
@@ -339,9 +342,10 @@ class Layer:
 
             extra = ("_scale", "_scale_2") if pw.format == "nvfp4" else ("_scale",)
             scale = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in extra}
-            tiles = W.nv_scale_tiles if pw.format == "nvfp4" else W.mx_scale_tiles
             codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp4(pw, {k: unpack_nibbles(v) for k, v in c.items()}))
-            return codes, tiles(pw, scale)
+            if pw.format == "nvfp4":
+                return codes, W.nv_scale_tiles(pw, scale)
+            return codes, W.mx_scale_tiles(pw, scale, prefill=self.plan.prefill_from > 0)
         codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c))
         if pw.format == "fp8_tensor":
             scales = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in ("_scale", "_input_scale")}

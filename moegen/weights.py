@@ -269,10 +269,21 @@ def _row_scale_tiles(pw: PackedWeight, src: Sequence[np.ndarray], pad: int, per_
     return np.ascontiguousarray(t.transpose(*range(nl), nl, nl + 3, nl + 1, nl + 4, nl + 2))
 
 
-def mx_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
+# The largest E8M0 scale byte the prefill GEMMs take: they multiply each e2m1 code by its scale in
+# bf16, and 6 x 2^125 is the largest such product below bf16's overflow (6 x 2^126 is not).
+MX_PREFILL_MAX_SCALE = 252
+
+
+def mx_scale_tiles(pw: PackedWeight, scales: Mapping[str, np.ndarray], prefill: bool = False) -> np.ndarray:
     """The E8M0 row scales of a packed MXFP4 weight, by tile and chunk as the kernels read them:
-    [..., T, KC, MATS, 16] bytes. Padding rows get 127 (2^0)."""
+    [..., T, KC, MATS, 16] bytes. Padding rows get 127 (2^0). prefill: the layer has prefill
+    buckets, whose GEMMs take scale bytes up to MX_PREFILL_MAX_SCALE."""
     src = [np.asarray(scales[f"{s}_scale"], np.uint8) for s in pw.sources]
+    for name, a in zip(pw.sources, src):
+        if prefill and a.size and int(a.max()) > MX_PREFILL_MAX_SCALE:
+            raise WeightError(f"{name}_scale: E8M0 byte {int(a.max())} (2^{int(a.max()) - 127}); this layer's prefill "
+                              f"GEMMs take scales up to {MX_PREFILL_MAX_SCALE} (2^{MX_PREFILL_MAX_SCALE - 127}: each "
+                              "code times its scale must stay a finite bf16)")
     return _row_scale_tiles(pw, src, 127, 1)[..., 0, :]
 
 

@@ -169,10 +169,12 @@ def test_gate_up_writes_h_in_the_permuted_order():
                                          ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
                                          ("qwen3-30b-a3b", {"prefill_down_pair": False}),
                                          ("qwen3-30b-a3b", {"prefill_bulk_a": False}),
-                                         ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {})], ids=str)
+                                         ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {}),
+                                         ("qwen3-30b-a3b-nvfp4", {}), ("qwen3-30b-a3b-mxfp4", {})], ids=str)
 def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     """A layer's prefill GEMMs (the analytic plan's: a producer warpgroup, the weights by bulk copies;
-    and its tunings; BF16 and FP8 block weights, with bf16 or FP8 activations: QGMMA in the SASS)
+    and its tunings; BF16, FP8 block weights with bf16 or FP8 activations (QGMMA in the SASS), NVFP4
+    and MXFP4 weights (the F4 template argument, last))
     compile without spills and without ptxas's warnings that wgmmas are
     serialized (C7513, C7514: the A registers or accumulators touched while a group is in flight)
     or that setmaxnreg is ignored (C7508: no register count fixed at entry); a two-block down GEMM
@@ -193,6 +195,10 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
     assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
     assert all(k.name.count("_fp8a8") == name.endswith("-a8") for k in gemms), [k.name for k in gemms]
+    fp4 = name.rsplit("-", 1)[1] if name.endswith("fp4") else ""
+    assert all(k.name.count("fp4_") == bool(fp4) and (f"_{fp4}_" in k.name or not fp4) for k in gemms), \
+        [k.name for k in gemms]
+    assert all((k.targs[-1] == f"MOE_W_{fp4.upper()}") == bool(fp4) for k in gemms), [k.targs for k in gemms]
     # the down GEMM on row-group pairs: the analytic plan's with a producer warpgroup and down_tiles 2
     pair = tuning.get("prefill_ws", True) and tuning.get("prefill_down_pair", True)
     assert [k.name.count("_pair_") for k in gemms] == [0, int(pair)], [k.name for k in gemms]
@@ -234,3 +240,28 @@ def test_fp8_prefill_takes_block_scaled_layers():
         spec = parse_spec(d, check_generated=False)
         assert why in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(**tune)))
         assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0
+
+
+def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
+    """NVFP4 and MXFP4 weights get prefill buckets (BF16's tile, the format in the tiles) with the
+    producer warpgroup, the weights by bulk copies and the down GEMMs on row-group pairs; without
+    any of them the layer stays on the GEMV path and the plan names why. Rings that do not fit a
+    block's shared memory are refused by name too."""
+    from pathlib import Path
+
+    from moegen import prefill_plan
+    from moegen.families import Layer, Tuning
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import load_spec
+
+    for fmt in ("nvfp4", "mxfp4"):
+        spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"qwen3-30b-a3b-{fmt}.yaml")
+        ok = make_plan(spec)
+        assert ok.prefill_from == 512 and ok.prefill_tiles[1] == prefill_plan.TILES.bn and ok.prefill_tiles[-1] == fmt
+        for tune in ({"prefill_ws": False}, {"prefill_bulk_a": False}, {"prefill_down_pair": False}):
+            why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(**tune)))
+            assert f"{fmt} weights without the producer warpgroup's bulk copies and row-group pairs" in why, (tune, why)
+            assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0
+    bf16 = load_spec(Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b.yaml")
+    why = prefill_plan.unsupported(Layer.of(bf16, TARGETS[bf16.arch], Tuning(prefill_stages=5)))
+    assert "rings of 5 / 5 stages exceed a block's shared memory" in why

@@ -666,7 +666,7 @@ def test_fp8_tensor_scales_must_be_positive(fake_cuda):
 def test_weights_copied_from_another_layer(fake_cuda):
     """load_weights_from: one device-to-device copy of the other layer's packed weights into an
     allocation of this layer's own, the same offsets (then the tensor maps over the copy, where
-    the plan has them); refused across plans or without weights."""
+    the plan has them); refused where the packed layouts differ or without weights."""
     drv, _ = fake_cuda
     plan = make_plan(SPECS[0][1])
     a, b = _layer(plan), _layer(plan)
@@ -679,9 +679,13 @@ def test_weights_copied_from_another_layer(fake_cuda):
     assert drv.copies == [("dtod", b._weights.base, a._weights.size)] + maps
     assert b._weights.base != a._weights.base and b._weights.offsets == a._weights.offsets
     other = _layer(make_plan(SPECS[1][1]))
-    with pytest.raises(ValueError, match="another plan"):
+    with pytest.raises(ValueError, match="another layout"):
         other.load_weights_from(a)
-    for layer in (a, b, other):
+    # a tuning that changes only kernels (the prefill GEMMs' ring) packs the weights alike
+    ring = _layer(make_plan(SPECS[0][1], tuning=Tuning(prefill_stages=3)))
+    assert ring.plan != plan
+    ring.load_weights_from(a)
+    for layer in (a, b, other, ring):
         layer.close()
     assert drv.live == {}
 

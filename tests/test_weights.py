@@ -105,6 +105,25 @@ def test_mxfp4_pack_roundtrip(interleaved):
     assert tiles.shape == (e, pw.rows_padded // 16 // (2 if interleaved else 1), k // 32, 2, 16)
 
 
+def test_mxfp4_scales_past_the_prefill_limit_are_refused_by_name():
+    """The prefill GEMMs multiply each e2m1 code by its E8M0 scale in bf16: 6 x 2^125 (byte 252) is
+    finite there, 6 x 2^126 is not. A layer with prefill buckets refuses larger scale bytes, naming
+    the tensor; the GEMV path (no prefill) takes every byte."""
+    from moegen.weights import MX_PREFILL_MAX_SCALE, WeightError, mx_scale_tiles
+
+    assert MX_PREFILL_MAX_SCALE == 252
+    assert float(ml_dtypes.bfloat16(6.0 * 2.0 ** (MX_PREFILL_MAX_SCALE - 127))) == 6.0 * 2.0 ** 125
+    assert not np.isfinite(float(ml_dtypes.bfloat16(6.0 * 2.0 ** (MX_PREFILL_MAX_SCALE + 1 - 127))))
+    pw = _mx_pw("w13", 2, False, 2, 16, 16, 64)
+    scales = {f"{s}_scale": np.full((2, 16, 2), 127, np.uint8) for s in pw.sources}
+    scales["experts.up_proj_scale"][1, 3, 1] = MX_PREFILL_MAX_SCALE
+    mx_scale_tiles(pw, scales, prefill=True)
+    scales["experts.up_proj_scale"][1, 3, 1] = MX_PREFILL_MAX_SCALE + 1
+    mx_scale_tiles(pw, scales)  # (no prefill buckets)
+    with pytest.raises(WeightError, match=r"^experts\.up_proj_scale: E8M0 byte 253 \(2\^126\)"):
+        mx_scale_tiles(pw, scales, prefill=True)
+
+
 def _fp4_fragment(word: int) -> list[float]:
     """The 8 bf16 values of one lane's k-step, as the kernel converts its 4 bytes."""
     return [v for r in _e2m1x8_to_bf16x8(int(word)) for v in _bf16x2(r)]

@@ -3110,6 +3110,22 @@ MOE_DEVICE void wgmma_e4m3_ra(float (&d)[64], const uint4& a, unsigned long long
 MOE_DEVICE uint4 e4m3_frag(uint4 q) {
   return make_uint4(prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u), prmt(q.z, q.w, 0x6420u), prmt(q.z, q.w, 0x7531u));
 }
+// FP4 (F4) row scales of one chunk as bf16 pairs: (row g's in both halves, row g + 8's in both),
+// from their bytes (MX: E8M0 2^(b - 127), 0: 2^-127, a bf16 subnormal; NV: e4m3), exactly
+template <int F4>
+MOE_DEVICE uint2 fp4_scales(u32 lo, u32 hi) {
+  if constexpr (F4 == MOE_W_NVFP4) {
+    const u32 two = e4m3x4_to_bf16x4(lo | hi << 16).x;  // (row g, row g + 8)
+    return make_uint2(prmt(two, 0u, 0x1010u), prmt(two, 0u, 0x3232u));
+  } else {
+    auto bits = [](u32 b) -> u32 { return b == 0 ? 0x0040u : b == 255 ? 0x7FC0u : b << 7; };
+    return make_uint2(bits(lo) * 0x00010001u, bits(hi) * 0x00010001u);
+  }
+}
+// An A fragment's rows times their scales (x, z: row g; y, w: row g + 8), in bf16, exactly
+MOE_DEVICE uint4 scale_rows(uint4 k, uint2 sp) {
+  return make_uint4(mul_bf16x2(k.x, sp.x), mul_bf16x2(k.y, sp.y), mul_bf16x2(k.z, sp.x), mul_bf16x2(k.w, sp.y));
+}
 MOE_DEVICE uint4 lds128(u32 addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -3220,10 +3236,19 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
 // each token row B tile read.
 // BULK (gate/up or PAIR): each warp's A run of a k-tile (A_WARP bytes, contiguous in the packed
-// layout: BF16 and A8 4 KB, FP8 weight-only 2 KB) by one bulk copy of the copy engine, instead of
-// A_WARP / 16 cp.async of the producers.
+// layout: BF16 and A8 4 KB, FP8 weight-only 2 KB, FP4 1 KB) by one bulk copy of the copy engine,
+// instead of A_WARP / 16 cp.async of the producers.
+// F4 (MOE_W_MXFP4 or MOE_W_NVFP4; gate/up or PAIR, BULK): e2m1 codes, a lane's 16 bytes of a chunk
+// holding both matrices' (moegen.weights.pack_fp4), and per-row scales (MX: E8M0 per 32 K; NV: e4m3
+// per 16 K, times each matrix's fp32 scale_2) in sc as the GEMV kernels read them: per 16-row tile
+// (PAIR: row group) a record [K/32][2 matrices][MX 16 | NV 2 x 16 rows] bytes, NV then the two
+// scale_2 in 16 bytes. Hopper's tensor cores take no FP4: each code times its row's scale becomes
+// a bf16 A fragment exactly (e2m1 x E8M0 is a power-of-two multiple, e2m1 x e4m3 has at most 6
+// significant bits; MX scales up to 2^125, which the packer checks), and the products run as
+// BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
+// k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false>
+          bool BULK = false, int F4 = 0>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -3231,6 +3256,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
   static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
+  static_assert(F4 == 0 || ((F4 == MOE_W_MXFP4 || F4 == MOE_W_NVFP4) && BULK && !FP8),
+                "FP4 weights: MX or NV, runs of two matrices by bulk copies");
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
@@ -3241,9 +3268,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
   // two chunks a k-tile, or with A8 four
-  constexpr int UNITS = (TWO ? 8 : 4) / (FP8 && !A8 ? 2 : 1);
-  // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned)
-  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 ? 1024 : 0;
+  constexpr int UNITS = (TWO ? 8 : 4) / (FP8 && !A8 ? 2 : F4 ? 4 : 1);
+  // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned); F4 with
+  // each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
+  constexpr int SCC = F4 == MOE_W_NVFP4 ? 64 : 32, SCW = 2 * SCC;
+  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 || F4 ? 1024 : 0;
+  static_assert(!F4 || 256 / 32 * SCW <= SC_BYTES, "FP4: every warp's scales in the stage");
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
@@ -3307,6 +3337,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
       const size_t RUN = (size_t)ktiles * AK;
       const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * RUN;
+      // F4: producer thread p < WARPS * SCW / 16 copies 16 bytes of warp p / (SCW / 16)'s scales of
+      // each k-tile: its tile's (row group's) record, REC bytes, SCW of them a k-tile
+      constexpr int SCT = WARPS * SCW / 16;
+      const size_t REC = (size_t)kc * SCC + (F4 == MOE_W_NVFP4 ? 16 : 0);
+      const unsigned char* fsrc = reinterpret_cast<const unsigned char*>(sc) +
+                                  ((size_t)e * wtiles + blk.x * WARPS + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
@@ -3331,6 +3367,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                             arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * 8);
           }
           if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+          if (F4 && p < SCT) cp_async16(st + B_BYTES + WARPS * A_WARP + p * 16, fsrc + (size_t)kt * SCW, true);
         } else if constexpr (A8) {
           // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
           // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
@@ -3391,6 +3428,19 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
         for (int a = 0; a < NACC; ++a)
           e4m3x16_to_bf16(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512), af[a][2 * c], af[a][2 * c + 1]);
+    } else if constexpr (F4) {  // a chunk's codes of both matrices, times rows g's and g + 8's scales
+      const u32 scs = st + B_BYTES + WARPS * A_WARP + warp * SCW + (lane & 3) / 2 * (F4 == MOE_W_NVFP4 ? 16 : 0) + lane / 4;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint4 q = gg::lds128(st + adst + c * 512);  // matrix 0's k-steps in x, y; matrix 1's in z, w
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+          const u32 at = scs + c * SCC + a * (SCC / 2);  // (MX [c][a][16 rows]; NV [c][a][2 blocks][16 rows])
+          const uint2 sp = gg::fp4_scales<F4>(lds_u8(at), lds_u8(at + 8));
+          af[a][2 * c] = gg::scale_rows(e2m1x8_to_bf16x8(a ? q.z : q.x), sp);
+          af[a][2 * c + 1] = gg::scale_rows(e2m1x8_to_bf16x8(a ? q.w : q.y), sp);
+        }
+      }
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
@@ -3488,6 +3538,16 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     gk += ktiles;
     gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
+    if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
+      const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
+                                                       ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * ((size_t)kc * 64 + 16) - 16);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) {
+        const float f = __ldg(s2 + a);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
+      }
+    }
     if constexpr (PAIR) {  // the group's two tiles
       prefill_store<false, NACC, BN>(acc, 2 * it, lane, rows, row0, n_out, out, 0);
       prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
