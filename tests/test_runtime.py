@@ -22,7 +22,7 @@ from moegen.plan import PlanError, make_plan
 from moegen.spec import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-from moegen.weights import WeightError, tensors
+from moegen.weights import MX_PREFILL_MAX_SCALE, WeightError, tensors
 
 
 class FakeDriver:
@@ -139,8 +139,9 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
     rng = np.random.default_rng()
     out = {}
     for name, (shape, dtype) in tensors(plan).items():
-        if dtype == "uint8":  # MXFP4 codes and E8M0 scales
-            out[name] = rng.integers(0, 255, shape, dtype=np.uint8)
+        if dtype == "uint8":  # MXFP4 codes (any byte) and E8M0 scales (up to what prefill GEMMs take)
+            top = MX_PREFILL_MAX_SCALE + 1 if name.endswith("_scale") and plan.prefill_from else 255
+            out[name] = rng.integers(0, top, shape, dtype=np.uint8)
         elif dtype == "int32":  # tid2eid: k distinct experts per row
             out[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
         elif dtype == "float32" and name.endswith(("_scale", "_input_scale")):  # FP8 per-tensor: positive
@@ -535,7 +536,7 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plain)
     small = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_bm=64, prefill_stages=3, prefill_ws=False))
     gemms = [ln for ln in small.buckets[-1].launches if "gemm" in small.kernel(ln.kernel).family]
-    assert small.prefill_tiles == (64, 128, 3, False, 0, False, False, False, False) and {ln.block for ln in gemms} == {128}
+    assert small.prefill_tiles == (64, 128, 3, False, 0, False, False, False, False, "") and {ln.block for ln in gemms} == {128}
     assert all(ln.smem <= 228 * 1024 // 2 for ln in gemms)  # two blocks a multiprocessor
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], small)
 
