@@ -277,6 +277,51 @@ def test_prefill_fp8_block_matches_reference(name, tmp_path):
         layer.close()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_prefill_fp4_scales_of_many_exponents_through_the_kernels(fmt, tmp_path):
+    """FP4 weights in the prefill GEMMs (each code times its row scale a bf16 A fragment) and the
+    GEMV path, on scales spread over many exponents: MXFP4 E8M0 bytes 2^-12 .. 2^+12 around the
+    O(1) level and some of them 0 (2^-127, a bf16 subnormal in the fragments: negligible beside a
+    row's other blocks, so checked only for not disturbing them); NVFP4 any positive finite e4m3
+    scale (2^-9 to 448), with scale_2 keeping the rows O(1). A reduced layer with
+    a shared expert in the same format (its GEMMs take every token), at both ends of the first
+    prefill bucket and at N = 7, against the reference fed the same values."""
+    import torch
+
+    from moegen.formats import MXFP4Weight, NVFP4Weight
+
+    spec = parse_spec({**BASE, "hidden_size": 1024, "max_tokens": 1024,
+                       "experts": {"count": 64, "top_k": 6, "intermediate_size": 512, "format": fmt},
+                       "shared_expert": {"intermediate_size": 512, "gate": "none", "format": fmt}},
+                      check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from and plan.prefill_tiles[-1] == fmt, plan.prefill_tiles
+    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    rng = np.random.default_rng()
+    for name in [n for n in dev_w if n + "_scale" in dev_w]:
+        codes, k = np.asarray(dev_w[name]), 2 * np.shape(dev_w[name])[-1]
+        if fmt == "mxfp4":
+            s = np.asarray(dev_w[name + "_scale"]).astype(np.int64)
+            s = np.clip(s + rng.integers(-12, 13, s.shape), 1, 254)
+            s[rng.random(s.shape) < 0.02] = 0  # 2^-127
+            dev_w[name + "_scale"] = s = s.astype(np.uint8)
+            host[name] = MXFP4Weight(codes, s, k).dequantize()
+        else:
+            pool = np.arange(0x01, 0x7F, dtype=np.uint8)  # every positive finite e4m3 (0x01..0x07 subnormal)
+            s = rng.choice(pool, np.shape(dev_w[name + "_scale"])).view(ml_dtypes.float8_e4m3fn)
+            rms = np.sqrt(np.mean(np.square(s.astype(np.float64)), axis=(-1, -2)))  # per matrix
+            s2 = (1.0 / (2.5 * np.sqrt(k) * rms)).astype(np.float32)
+            dev_w[name + "_scale"], dev_w[name + "_scale_2"] = s, s2
+            host[name] = NVFP4Weight(codes, s, s2[..., None], (codes.shape[-2],), k).dequantize()
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(f"{fmt} scales", spec, plan, layer, host, torch, counts=(7, below + 1, plan.prefill_from))
+    finally:
+        layer.close()
+
+
 def _norm_rounding_slack(spec, xh, host) -> np.ndarray:
     """[N] the most a router logit can move because the router RMSNorm's bf16 output rounds the
     other way in the kernel (fp32) than in the reference (float64): only elements within 16 fp32
