@@ -320,6 +320,11 @@ class Layer:
                 self.plan.weights, self.plan.raw, self.plan.tensor_maps):
             raise ValueError("load_weights_from: the other layer's packed weights have another layout "
                              "(another spec, or a tuning that packs them otherwise)")
+        if (self.plan.prefill_from and not other.plan.prefill_from
+                and any(pw.format == "mxfp4" for pw in self.plan.weights)):
+            raise ValueError("load_weights_from: MXFP4 weights loaded without prefill buckets were not checked "
+                             "against the prefill GEMMs' scale limit (moegen.weights.MX_PREFILL_MAX_SCALE); load "
+                             "them into this layer with load_weights")
         if other._weights is None:
             raise RuntimeError("load_weights_from: the other layer has no weights loaded")
         self.device.set_current()

@@ -691,6 +691,23 @@ def test_weights_copied_from_another_layer(fake_cuda):
     assert drv.live == {}
 
 
+def test_mxfp4_weights_of_a_layer_without_prefill_are_not_copied_into_one_with_it(fake_cuda):
+    """A layer with prefill buckets checks MXFP4 scales against the prefill GEMMs' limit as it
+    packs them; a copy from a layer without prefill buckets (the same packed layout) would skip
+    that check, so load_weights_from refuses it by name (and takes the copy the other way)."""
+    spec = parse_spec({**BASE, **CASES["mxfp4"], "max_tokens": 1024}, check_generated=False)
+    with_pf, without = make_plan(spec), make_plan(spec, tuning=Tuning(prefill_ws=False))
+    assert with_pf.prefill_from and not without.prefill_from and with_pf.weights == without.weights
+    a, b = _layer(without), _layer(with_pf)
+    a.load_weights(_host_weights(without))
+    with pytest.raises(ValueError, match="MX_PREFILL_MAX_SCALE"):
+        b.load_weights_from(a)
+    b.load_weights(_host_weights(with_pf))
+    a.load_weights_from(b)
+    for layer in (a, b):
+        layer.close()
+
+
 def test_decode_router_grid_splits_the_tokens_and_its_counters_fit():
     """Past the fused buckets the router takes one 32-token pass a block (the grid's y), and each
     (tile, y) has its own counter for the last K part's sums: the workspace holds them all."""
