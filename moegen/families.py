@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .prefill import PREFILL_STAGES
 from .spec import Select, Spec
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ ROUTE_THREADS = 256  # the route kernel: one warp per token, 8 tokens a block
 # 17.6-22 us at N = 64-256 on the H200; 256 threads also leave a lane the registers for any
 # number of scored experts)
 DOWN_TILES = 2  # 16-row tiles per down block: fewer, longer blocks (one wave at N=1)
-PREFILL_STAGES = (3, 4, 5, 6, 7, 8)  # the prefill GEMMs' ring depths (those that fit: moegen.prefill_plan.unsupported)
 FP4_FORMATS = ("mxfp4", "nvfp4")  # e2m1 codes: two matrices (gate and up, or two down tiles) share a fragment
 # 16-byte A fragments per lane, matrix and 32-wide chunk (FP4: half of one, two matrices share it)
 A_FRAGMENTS = {"bf16": 2.0, "fp8_block": 1.0, "fp8_block_a8": 1.0, "fp8_tensor": 1.0, "mxfp4": 0.5, "nvfp4": 0.5}

@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # numpy is imported where it is used: a build does not need i
     import numpy as np
 
 
+PREFILL_STAGES = (3, 4, 5, 6, 7, 8)  # the GEMMs' ring depths (those that fit: moegen.prefill_plan.unsupported)
+
+
 @dataclass(frozen=True)
 class GemmTiles:
     """Block shape of the grouped GEMM: BM token rows (64 per warpgroup) x BN weight rows, a
@@ -61,7 +64,7 @@ class GemmTiles:
             raise ValueError(f"bm={self.bm}: 64 token rows per warpgroup, 1 to 4 warpgroups")
         if self.bn % 16 or not 16 <= self.bn <= 256 or (self.bn * 8) % self.threads:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
-        if not 3 <= self.stages <= 8 or self.down_stages not in (0, 3, 4, 5, 6, 7, 8):
+        if self.stages not in PREFILL_STAGES or self.down_stages not in (0, *PREFILL_STAGES):
             raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: 3 to 8 (down 0: as stages)")
         if self.fp8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "

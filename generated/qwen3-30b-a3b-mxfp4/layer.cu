@@ -3294,6 +3294,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   }
   __syncthreads();
   const int kc = k_dim / 32, ktiles = k_dim / BK, kblocks = k_dim / 128;
+  const size_t REC = (size_t)kc * SCC + (F4 == MOE_W_NVFP4 ? 16 : 0);  // F4: bytes of a tile's scale record
   // The grid's blocks take the GEMM's blocks (row block, tile) in turn: one each with a grid of
   // them all, several with a persistent grid (one block a multiprocessor), the ring and its
   // barriers running on across them (gk counts this block's k-tiles), so that the producers fill
@@ -3340,7 +3341,6 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       // F4: producer thread p < WARPS * SCW / 16 copies 16 bytes of warp p / (SCW / 16)'s scales of
       // each k-tile: its tile's (row group's) record, REC bytes, SCW of them a k-tile
       constexpr int SCT = WARPS * SCW / 16;
-      const size_t REC = (size_t)kc * SCC + (F4 == MOE_W_NVFP4 ? 16 : 0);
       const unsigned char* fsrc = reinterpret_cast<const unsigned char*>(sc) +
                                   ((size_t)e * wtiles + blk.x * WARPS + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
@@ -3540,7 +3540,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
     if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
       const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
-                                                       ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * ((size_t)kc * 64 + 16) - 16);
+                                                       ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * REC - 16);
 #pragma unroll
       for (int a = 0; a < NACC; ++a) {
         const float f = __ldg(s2 + a);
