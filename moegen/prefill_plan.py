@@ -26,7 +26,14 @@ if TYPE_CHECKING:
 
 TILES = GemmTiles()  # 2 warpgroups (16 weight rows a warp) x 128 tokens, 4 stages: measured on the H200
 FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix in registers)
-TOKENS_PER_EXPERT = 32  # the GEMV path's widest pass (8 * MAX_NT tokens): past it, it reads weights twice
+# The first prefill bucket is the smallest whose every token count gives the routed experts
+# TOKENS_PER_EXPERT tokens each on average: there the GEMV path's passes have fallen below the
+# prefill GEMMs, which read each hit expert's weights about once at any N up to 128 tokens an
+# expert. Measured on the H200 (2026-12-01, A/B in one process, GEMV against prefill kernels, us):
+# Qwen3-Next-80B-A3B N = 512 / 1024 (10 / 20 an expert) 1010.9 / 1263.0 against 869.8 / 904.3;
+# Qwen3-30B-A3B N = 256 (16) 335.7 against 328.1; DeepSeek-V3-FP8 N = 256 (8; 2026-11-30) 3704.0
+# against 3830.9; Mixtral-8x7B's crossover at or below N = 128 (32).
+TOKENS_PER_EXPERT = 10
 # FP8 activations: the GEMV scales every token's products of every 32-wide chunk in fp32 (the
 # token's scale changes each 128 channels), so its time grows with the tokens an expert gets from
 # the first one, while the tensor-core GEMMs stream each hit expert once. Measured on the H200
@@ -59,7 +66,7 @@ def tiles(c: Layer) -> GemmTiles:
 
 def unsupported(c: Layer) -> str:
     """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take SiLU-gated
-    routed experts without biases, all on this device, in BF16 or FP8 block (bf16 activations, or
+    routed experts (clamped or not) without biases, all on this device, in BF16 or FP8 block (bf16 activations, or
     with experts.fp8_activations e4m3 codes per token and 128 channels; with the producer
     warpgroup), MXFP4 or NVFP4 (with the producer warpgroup, the weights by bulk copies and the down
     GEMMs on row-group pairs), and a shared expert in the routed experts' format (as one more GEMM
@@ -67,6 +74,7 @@ def unsupported(c: Layer) -> str:
     from .plan import TARGETS
 
     spec = c.spec
+    act = spec.experts.activation
     w = tiles(c).threads // 32
     fp8 = c.fmt_e == "fp8_block"
     checks = (
@@ -75,7 +83,7 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
          "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
-        (c.act_tag != "silu_gated", f"activation {c.act_tag}"),
+        (act.kind.value != "silu_gated" or act.alpha, f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias, "expert biases"),
@@ -93,16 +101,20 @@ def unsupported(c: Layer) -> str:
 
 
 def prefill_from(c: Layer) -> int:
-    """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: where
-    the routed experts get TOKENS_PER_EXPERT tokens each on average, from which the GEMV path
-    reads each expert's weights more than once (measured on the H200: Qwen3-30B-A3B's crossover
-    lies between N = 256 and 512, Mixtral-8x7B's at or below 128); with FP8 activations from
-    A8_TOKENS_PER_EXPERT; a tuning may move it."""
+    """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
+    first power-of-two bucket whose smallest N (half its size, plus one) gives the routed experts
+    TOKENS_PER_EXPERT tokens each on average; with FP8 activations from A8_TOKENS_PER_EXPERT
+    tokens an expert; a tuning may move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
-    return math.ceil((A8_TOKENS_PER_EXPERT if tiles(c).a8 else TOKENS_PER_EXPERT) * c.e / c.k)
+    if tiles(c).a8:
+        return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
+    first, b = math.ceil(TOKENS_PER_EXPERT * c.e / c.k), 1
+    while b // 2 + 1 < first:
+        b *= 2
+    return b
 
 
 def max_tiles(c: Layer, tokens: int) -> int:
@@ -217,7 +229,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
-        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_silu_gated", t.packed_threads,
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}", t.packed_threads,
                              targs("true", "2"),
                              ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
@@ -270,7 +282,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                               + (" (routed, then the shared expert's)" if si else ""))
     if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
         out["gemm_gate_up_shared"] = kern(
-            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_silu_gated", t.packed_threads,
+            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_{c.act_tag}", t.packed_threads,
             targs("true", "2", "false"),
             ((f"{act_in} xp", None, xin), ("const uint4* __restrict__ ws13", None, "w.ws13"),
              stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx")),

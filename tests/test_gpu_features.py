@@ -238,6 +238,38 @@ def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
         layer.close()
 
 
+@pytest.mark.parametrize("shared_clamp", [True, False])
+def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clamp, tmp_path):
+    """DeepSeek-V4's SiLU clamped at 10 (gate from above, up both ways; the shared expert's as its
+    spec option says) through the GEMV path (N = 7) and the prefill GEMMs' epilogue (both ends of
+    the first prefill bucket), on gate and up weights scaled by 8, so that about a tenth of the
+    gates and a fifth of the ups pass the limit, against the reference."""
+    import torch
+
+    case = CASES["sqrt_softplus"]
+    spec = parse_spec({**BASE, **case, "shared_expert": {**case["shared_expert"], "clamp": shared_clamp},
+                       "max_tokens": 1024}, check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from, "the clamped SiLU layer has prefill buckets"
+    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    for name in ("experts.gate_proj", "experts.up_proj", "shared_expert.gate_proj", "shared_expert.up_proj"):
+        dev_w[name].mul_(8.0)
+        host[name] = _host(dev_w[name])
+    x = np.random.default_rng().standard_normal((64, plan.hidden))
+    limit = spec.experts.activation.limit
+    for m in ("experts.gate_proj", "experts.up_proj"):  # the limit binds (about 11% and 21%)
+        v = x @ np.asarray(host[m][0], np.float64).T
+        assert np.mean(v > limit if m.endswith("gate_proj") else np.abs(v) > limit) > 0.05, m
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts(f"clamp (shared {shared_clamp})", spec, plan, layer, host, torch,
+                      counts=(7, below + 1, plan.prefill_from))
+    finally:
+        layer.close()
+
+
 # FP8 block prefill: Qwen3-30B-A3B-FP8 as released, and DeepSeek-V3-FP8's rules (sigmoid, groups, a
 # shared FP8 expert) at a width small enough to pack its random weights in a few seconds; each with
 # bf16 activations and with FP8 ones (the -a8 specs: codes by codes on the tensor cores)

@@ -242,6 +242,53 @@ def test_fp8_prefill_takes_block_scaled_layers():
         assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0
 
 
+@pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
+                                        ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16)])
+def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
+    """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
+    (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
+    against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
+    at 256 (at its bucket's 129 the GEMV's), DeepSeek-V3-FP8's 3704 against 3831 at 256."""
+    from pathlib import Path
+
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    plan = make_plan(load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml"))
+    assert plan.prefill_from == first
+    assert [b.max_tokens for b in plan.buckets if b.max_tokens >= first][0] == first
+
+
+def test_clamped_silu_layers_get_prefill_buckets():
+    """SiLU clamped at the layer's limit (DeepSeek-V4) runs on the prefill GEMMs too: the epilogue
+    clamps the routed experts' gate and up (the shared expert's as ActRule::SHARED_LIMIT says), the
+    kernels' names carry the activation, and the four GEMMs compile without spills or ptxas's
+    warnings; GPT-OSS's clamped SwiGLU (alpha, up + 1, biases) stays on the GEMV path, by name."""
+    from pathlib import Path
+
+    from moegen import prefill_plan
+    from moegen.build import render_all
+    from moegen.families import Layer
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import load_spec
+
+    specs = Path(__file__).resolve().parent.parent / "specs"
+    spec = load_spec(specs / "deepseek-v4-flash.yaml")
+    plan = make_plan(spec)
+    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    assert plan.prefill_from and len(gemms) == 4, [k.name for k in gemms]
+    assert all("_silu_gated_l10_" in k.name for k in gemms if "gate_up" in k.family), [k.name for k in gemms]
+    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
+    for code in ("C7508", "C7513", "C7514"):
+        assert code not in out.log, out.log
+    for k in gemms:
+        r = out.resources[k.name]
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+    oss = load_spec(specs / "gpt-oss-20b.yaml")
+    assert "activation swiglu_clamped" in prefill_plan.unsupported(Layer.of(oss, TARGETS[oss.arch]))
+    assert make_plan(oss).prefill_from == 0
+
+
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     """NVFP4 and MXFP4 weights get prefill buckets (BF16's tile, the format in the tiles) with the
     producer warpgroup, the weights by bulk copies and the down GEMMs on row-group pairs; without

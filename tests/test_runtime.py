@@ -506,14 +506,14 @@ def test_one_token_kernel_for_fp4_weights_compiles_and_launches(fake_cuda, fmt):
 
 
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
-    """From the plan's crossover (the GEMV path's widest pass of tokens per expert, on average) the
+    """From the plan's crossover (the first bucket whose every N gives the experts 10 tokens each) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that
     splits the tokens; the one route kernel groups the tokens up to the largest decode bucket
     only, here 128), the GEMMs with their shared
     memory (the analytic plan's with a producer warpgroup; the tuning without one launches them as
     completely)."""
     plan = make_plan(dict(SPECS)["prefill"])
-    assert plan.prefill_from == 256  # 16 experts, top-2: 32 tokens each on average at N = 256
+    assert plan.prefill_from == 256  # 16 experts, top-2: 10 tokens each from N = 80, the bucket of 129..256
     assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [256, 512, 1024]
     fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
     assert fams == ["router", "route", "prefill_permute", "prefill_count", "prefill_scan", "prefill_place",
@@ -550,7 +550,7 @@ def test_prefill_with_a_shared_expert(fake_cuda):
                       check_generated=False)
     assert make_plan(spec, tuning=Tuning(prefill_shared=False)).prefill_from == 0
     plan = make_plan(spec)
-    assert plan.prefill_from == 256  # 64 experts, top-8: 32 tokens each on average
+    assert plan.prefill_from == 256  # 64 experts, top-8: 10 tokens each from N = 80
     fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
     assert fams[-3:] == ["prefill_gemm_gate_up_shared", "prefill_gemm_down_shared", "prefill_combine"]
     combine = plan.kernel(plan.buckets[-1].launches[-1].kernel)

@@ -1951,12 +1951,18 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
 }
 }  // namespace gg
 
-// SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only): expf, then
+// SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only), CLAMP with
+// the layer's limit as activate() has it (gate from above, up both ways; DeepSeek-V4): expf, then
 // div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0 as the IEEE
 // division gives). The IEEE division's slow path, inlined at each of the epilogue's sites (64 at
 // BN 128), doubled ptxas's time for the kernel (0.83 s against 0.50 s).
+template <bool CLAMP>
 MOE_DEVICE float silu_mul(float g, float u) {
-  static_assert(ActRule::KIND == MOE_ACT_SILU && ActRule::LIMIT == 0.0f, "the prefill epilogue: SiLU, no clamp");
+  static_assert(ActRule::KIND == MOE_ACT_SILU, "the prefill epilogue: SiLU");
+  if (CLAMP && ActRule::LIMIT > 0.0f) {
+    g = fminf(g, ActRule::LIMIT);
+    u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
+  }
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
@@ -1965,8 +1971,9 @@ MOE_DEVICE float silu_mul(float g, float u) {
 // each column at its permuted place (PERM; otherwise H in column order, for the FP8
 // quantization). Otherwise Y bf16 [P][n_out] from accumulator set m: lanes 4 apart (rows r, r + 1
 // of the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one
-// token (the even row token n's, the odd row token n + 1's).
-template <bool GATED, int NACC, int BN, bool PERM = true>
+// token (the even row token n's, the odd row token n + 1's). CLAMP: the activation with the layer's
+// limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT).
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out, int m = 0) {
 #pragma unroll
@@ -1980,7 +1987,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       for (int t = 0; t < 2; ++t)
         if (n + t < rows && i < n_out)
           static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
-              f32_to_bf16(silu_mul(acc[0][j + t], acc[NACC - 1][j + t]));
+              f32_to_bf16(silu_mul<CLAMP>(acc[0][j + t], acc[NACC - 1][j + t]));
     } else {
       const bool odd = (lane >> 2) & 1;
       const float a0 = acc[m][j], a1 = acc[m][j + 1];
@@ -2357,7 +2364,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       prefill_store<false, NACC, BN>(acc, 2 * it, lane, rows, row0, n_out, out, 0);
       prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
     } else {
-      prefill_store<GATED, NACC, BN, !A8>(acc, it, lane, rows, row0, n_out, out);
+      // (GATHER false: the shared expert's rows, every token in order)
+      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT>(acc, it, lane, rows, row0, n_out, out);
     }
   }
 }

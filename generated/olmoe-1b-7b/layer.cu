@@ -1,5 +1,5 @@
 // moegen 0.1.0: olmoe-1b-7b (allenai/OLMoE-1B-7B-0924), sm_90a. Generated; do not edit.
-// spec sha256 5fff1fce79276a9d4ce0349bcd259b3757069c038412bef078a6e56b74e4ac10
+// spec sha256 2c728ea5d57e5182da779704fa3b22abc3198213f2da3c6fb133e8712bb5980a
 //
 // E=64 routed experts, top-8, H=2048, I=1024.
 // Routing: softmax over 64 experts (fp32 logits) -> top-8.
@@ -3146,12 +3146,18 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
 }
 }  // namespace gg
 
-// SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only): expf, then
+// SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only), CLAMP with
+// the layer's limit as activate() has it (gate from above, up both ways; DeepSeek-V4): expf, then
 // div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0 as the IEEE
 // division gives). The IEEE division's slow path, inlined at each of the epilogue's sites (64 at
 // BN 128), doubled ptxas's time for the kernel (0.83 s against 0.50 s).
+template <bool CLAMP>
 MOE_DEVICE float silu_mul(float g, float u) {
-  static_assert(ActRule::KIND == MOE_ACT_SILU && ActRule::LIMIT == 0.0f, "the prefill epilogue: SiLU, no clamp");
+  static_assert(ActRule::KIND == MOE_ACT_SILU, "the prefill epilogue: SiLU");
+  if (CLAMP && ActRule::LIMIT > 0.0f) {
+    g = fminf(g, ActRule::LIMIT);
+    u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
+  }
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
@@ -3160,8 +3166,9 @@ MOE_DEVICE float silu_mul(float g, float u) {
 // each column at its permuted place (PERM; otherwise H in column order, for the FP8
 // quantization). Otherwise Y bf16 [P][n_out] from accumulator set m: lanes 4 apart (rows r, r + 1
 // of the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one
-// token (the even row token n's, the odd row token n + 1's).
-template <bool GATED, int NACC, int BN, bool PERM = true>
+// token (the even row token n's, the odd row token n + 1's). CLAMP: the activation with the layer's
+// limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT).
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out, int m = 0) {
 #pragma unroll
@@ -3175,7 +3182,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       for (int t = 0; t < 2; ++t)
         if (n + t < rows && i < n_out)
           static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
-              f32_to_bf16(silu_mul(acc[0][j + t], acc[NACC - 1][j + t]));
+              f32_to_bf16(silu_mul<CLAMP>(acc[0][j + t], acc[NACC - 1][j + t]));
     } else {
       const bool odd = (lane >> 2) & 1;
       const float a0 = acc[m][j], a1 = acc[m][j + 1];
@@ -3552,7 +3559,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       prefill_store<false, NACC, BN>(acc, 2 * it, lane, rows, row0, n_out, out, 0);
       prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
     } else {
-      prefill_store<GATED, NACC, BN, !A8>(acc, it, lane, rows, row0, n_out, out);
+      // (GATHER false: the shared expert's rows, every token in order)
+      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT>(acc, it, lane, rows, row0, n_out, out);
     }
   }
 }
@@ -3730,26 +3738,26 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
 #endif
 // route: softmax over 64 experts (fp32 logits) -> top-8; one token per warp, the last block groups the tokens by expert up to N = 128
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e64_k8_softmax_scores_fp32_n256_g128_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<64, 64, 8, 1, 256, false, 256, 128>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e64_k8_softmax_scores_fp32_n16384_g128_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<64, 64, 8, 1, 16384, false, 256, 128>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // one token in one launch: router (4 tiles x 4 parts), route in every block, gate/up (8 x 64 tiles), down by columns streamed behind them, partial sums a block; tagged words
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e64_h2048_i1024_k8_ks4_n256_e64_k8_softmax_scores_fp32_silu_gated_t2_u4_ov_cols_br_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
-  single_body<64, 32, 0, 64, 0, 1024, 0, 2048, 64, 8, 64, 4, 256, 2, false, 16, 4, 4, true, MOE_W_BF16, true, false, false, 128, 1, true>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e64_h2048_i1024_k8_ks4_n16384_e64_k8_softmax_scores_fp32_silu_gated_t2_u4_ov_cols_br_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
+  single_body<64, 32, 0, 64, 0, 1024, 0, 2048, 64, 8, 64, 4, 16384, 2, false, 16, 4, 4, true, MOE_W_BF16, true, false, false, 128, 1, true>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // 2 tokens in one launch: router (4 tiles x 4 parts), route in every block, gate/up (8 x 64 tiles), down by columns streamed behind them, partial sums a block; tagged words
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e64_h2048_i1024_k8_ks4_n256_e64_k8_softmax_scores_fp32_silu_gated_t2_u4_ov_cols_x2_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
-  single_body<64, 32, 0, 64, 0, 1024, 0, 2048, 64, 8, 64, 4, 256, 2, false, 16, 4, 4, true, MOE_W_BF16, true, false, false, 128, 2, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e64_h2048_i1024_k8_ks4_n16384_e64_k8_softmax_scores_fp32_silu_gated_t2_u4_ov_cols_x2_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
+  single_body<64, 32, 0, 64, 0, 1024, 0, 2048, 64, 8, 64, 4, 16384, 2, false, 16, 4, 4, true, MOE_W_BF16, true, false, false, 128, 2, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 64 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_n256_route_e64_k8_softmax_scores_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 1, 4, 8, 16, 64, 256, true, 64, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_n16384_route_e64_k8_softmax_scores_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 1, 4, 8, 16, 64, 16384, true, 64, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 64 tiles
@@ -3766,8 +3774,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt
 #endif
 // router: 64 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 4, 4, 4, 16, 64, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 4, 4, 4, 16, 64, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 64 tiles
@@ -3796,8 +3804,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1024_k8_nt
 #endif
 // router: 64 rows x 2048, K split 1 ways, 32 tokens per pass
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks1_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<64, 4, 4, 4, 1, 64, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<64, 4, 4, 4, 1, 64, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
@@ -3814,8 +3822,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e64_k8_sm_9
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile)
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e64_k8_r128_n256_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
-  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 64, 128, 80, first, tiles);
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e64_k8_r128_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
+  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 64, 128, 1088, first, tiles);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
