@@ -248,7 +248,7 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
     against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
-    at 256 (at its bucket's 129 the GEMV's), DeepSeek-V3-FP8's 3704 against 3831 at 256."""
+    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256."""
     from pathlib import Path
 
     from moegen.plan import make_plan
