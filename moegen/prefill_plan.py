@@ -43,6 +43,10 @@ TOKENS_PER_EXPERT = 10
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
+# The routing weight on the expert input (Llama-4) through the prefill kernels: generated and
+# compiled (tests/test_prefill.py), and refused until its GPU check
+# (tests/test_gpu_features.py, which sets this) has passed.
+WOI_PREFILL = False
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -87,7 +91,8 @@ def unsupported(c: Layer) -> str:
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias, "expert biases"),
-        (c.woi, "routing weights on the input"),
+        (c.woi and not WOI_PREFILL, "routing weights on the input (the prefill kernels wait for their GPU check)"),
+        (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),
         (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
         (c.e_local > MAX_EXPERTS, f"more than {MAX_EXPERTS} experts"),
@@ -174,15 +179,16 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "") + ("_bulk" if t.bulk_a else "")
     wf = t.wfmt
 
-    def targs(gated: str, mats: str, gather: str = "") -> tuple[str, ...]:
+    def targs(gated: str, mats: str, gather: str = "", woi: bool = False) -> tuple[str, ...]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
-        on row groups of two tiles), BULK (weight runs by bulk copies) and F4 (FP4 weights) up to the
+        on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights) and WOI (the
+        routing weight on the input: the routed gate/up GEMM scales gate and up by it) up to the
         last that is not its default."""
         pair = gated == "false" and t.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (t.fp8, t.a8, pair,
                                                                           t.bulk_a and (gated == "true" or pair))),
-                FP4_MACRO.get(t.fp4, "0")]
-        default = [None, None, gated, "false", "false", "false", "false", "0"]
+                FP4_MACRO.get(t.fp4, "0"), str(woi).lower()]
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
@@ -195,6 +201,15 @@ def kernels(c: Layer) -> dict[str, Kernel]:
 
     def sarg(name: str, xs: str = "") -> tuple[str, ...]:
         return ((name,) if t.fp8 or t.fp4 else ()) + ((xs,) if t.a8 else ())
+
+    # WOI (Llama-4): the place kernel writes each row's routing weight (the decode path's slot_w),
+    # the routed gate/up GEMM reads it after its scale arguments, the combine adds Y unweighted
+    wrow = ("float* __restrict__ wrow", None, "ws.slot_w")
+    topk_w = ("const float* __restrict__ wts", None, "ws.topk_w")
+
+    def woi_args(name: str, xs: str = "") -> tuple[str, ...]:
+        have = sarg(name, xs)
+        return (*have, *("nullptr",) * (2 - len(have)), "wrow") if c.woi else have
 
     # the GEMMs' inputs: bf16 rows (X' permuted, H' permuted by the gate/up epilogue), or with A8
     # the e4m3 codes the quantization kernels write (x, then H in column order)
@@ -226,16 +241,21 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       *(("n", "stiles", str(shared_tiles(c, c.nmax))) if si else ())), "prefill_scan_body",
                      f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"
                      + ("; the shared expert's tiles" if si else "")),
-        "place": kern("place", f"place_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, first, tok, slot, n),
-                      ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot"), "prefill_place_body",
-                      "prefill: each (token, choice) entry's row, grouped by expert in a stable order"),
-        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}", t.packed_threads,
-                             targs("true", "2"),
+        "place": kern("place", f"place_e{e}_k{k}" + ("_winput" if c.woi else ""), GROUP_THREADS,
+                      ("true",) if c.woi else (), (ids, counts, first, tok, slot, *((topk_w, wrow) if c.woi else ()), n),
+                      ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot",
+                       *(("wts", "wrow") if c.woi else ())), "prefill_place_body",
+                      "prefill: each (token, choice) entry's row, grouped by expert in a stable order"
+                      + (", and its routing weight" if c.woi else "")),
+        "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}"
+                             + ("_winput" if c.woi else ""), t.packed_threads,
+                             targs("true", "2", woi=c.woi),
                              ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
-                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx")),
+                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
+                              *((wrow,) if c.woi else ())),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *sarg("s13", "sx")),
+                              *woi_args("s13", "sx")),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
@@ -248,8 +268,8 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                            *sarg("s2", "sa")),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
-        "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else ""),
-                        EW_THREADS, (),
+        "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")
+                        + ("_winput" if c.woi else ""), EW_THREADS, ("true",) if c.woi else (),
                         (("const bf16_t* __restrict__ y", None, "ws.y"), slot,
                          ("const float* __restrict__ wts", None, "ws.topk_w"),
                          ("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ out", None, "out"),
@@ -258,7 +278,8 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                         ("y", "slot", "wts", "x", "out", str(h), str(k), "blockIdx.x",
                          f"(blockIdx.y * {EW_THREADS} + threadIdx.x) * 4",
                          *(("ys", "gate" if c.gated else "nullptr") if si else ())), "prefill_combine_body",
-                        "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order"
+                        ("prefill: out = sum_j Y[row(t, j)] (the weights on the input), choices in order" if c.woi else
+                         "prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order")
                         + (" + gate * YS" if c.gated else " + YS" if si else "")),
     }
     if t.a8:  # FP8 activations: x, then the activations, quantized into codes in A8_ORDER (no X')

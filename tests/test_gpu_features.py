@@ -270,6 +270,34 @@ def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clam
         layer.close()
 
 
+def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path, monkeypatch):
+    """Llama-4's rule (top-1 sigmoid of the logit, the weight scaling the expert's input, a shared
+    expert always added) through the prefill kernels, which the plan refuses until this passes
+    (moegen.prefill_plan.WOI_PREFILL, set here): the place kernel writes each row's weight,
+    the routed gate/up GEMM scales gate and up by it before the activation, the combine adds Y
+    unweighted; at N = 7 (the GEMV path) and both ends of the first prefill bucket, against the
+    reference, and the largest N of the bucket bitwise repeatable."""
+    import torch
+
+    from moegen import prefill_plan
+
+    monkeypatch.setattr(prefill_plan, "WOI_PREFILL", True)
+    spec = parse_spec({**BASE, **CASES["weight_on_input"], "max_tokens": 1024}, check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from, "the weight-on-input layer has prefill buckets"
+    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_counts("weight_on_input prefill", spec, plan, layer, host, torch, counts=(7, below + 1, plan.prefill_from))
+        x = torch.randn(plan.prefill_from, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+    finally:
+        layer.close()
+
+
 # FP8 block prefill: Qwen3-30B-A3B-FP8 as released, and DeepSeek-V3-FP8's rules (sigmoid, groups, a
 # shared FP8 expert) at a width small enough to pack its random weights in a few seconds; each with
 # bf16 activations and with FP8 ones (the -a8 specs: codes by codes on the tensor cores)

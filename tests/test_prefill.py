@@ -289,6 +289,46 @@ def test_clamped_silu_layers_get_prefill_buckets():
     assert make_plan(oss).prefill_from == 0
 
 
+def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
+    """Llama-4's routing weight on the expert input through the prefill kernels (refused by the plan
+    until their GPU check has passed, moegen.prefill_plan.WOI_PREFILL; here let through): the place kernel
+    writes each row's weight into slot_w, the routed gate/up GEMM (template argument WOI, last) reads
+    it after its two scale arguments, the combine adds Y unweighted; the shared expert's GEMMs are
+    the plain ones; everything compiles without spills or ptxas's warnings. Without the producer
+    warpgroup the layer stays on the GEMV path, by name."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.build import render_all
+    from moegen.families import Layer, Tuning
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import parse_spec
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "llama-4-scout.yaml").read_text())
+    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
+    assert "the prefill kernels wait for their GPU check" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+    assert make_plan(spec).prefill_from == 0
+    monkeypatch.setattr(prefill_plan, "WOI_PREFILL", True)
+    plan = make_plan(spec)
+    assert plan.prefill_from == 512  # 16 experts, top-1: 10 tokens each from N = 160, the bucket of 257..512
+    ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
+    assert ks["prefill_place"].targs == ("true",) and ks["prefill_place"].arg_keys[-3:] == ("ws.topk_w", "ws.slot_w", "n")
+    gu = ks["prefill_gemm_gate_up"]
+    assert gu.targs[-1] == "true" and gu.args[-3:] == ("nullptr", "nullptr", "wrow") and gu.arg_keys[-1] == "ws.slot_w"
+    assert len(ks["prefill_gemm_gate_up_shared"].targs) < 9 and "wrow" not in ks["prefill_gemm_gate_up_shared"].args
+    assert ks["prefill_combine"].targs == ("true",)
+    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
+    for code in ("C7508", "C7513", "C7514"):
+        assert code not in out.log, out.log
+    for k in ks.values():
+        r = out.resources[k.name]
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+    why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(prefill_ws=False)))
+    assert "routing weights on the input without the producer warpgroup" in why
+
+
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     """NVFP4 and MXFP4 weights get prefill buckets (BF16's tile, the format in the tiles) with the
     producer warpgroup, the weights by bulk copies and the down GEMMs on row-group pairs; without

@@ -1972,10 +1972,12 @@ MOE_DEVICE float silu_mul(float g, float u) {
 // quantization). Otherwise Y bf16 [P][n_out] from accumulator set m: lanes 4 apart (rows r, r + 1
 // of the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one
 // token (the even row token n's, the odd row token n + 1's). CLAMP: the activation with the layer's
-// limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT).
-template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true>
+// limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT). WOI (GATED, the
+// routed experts' with the routing weight on the input, Llama-4): gate and up of row p times its
+// (token, choice)'s weight wrow[p] before the activation, as the GEMV kernels scale them.
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
-                              void* __restrict__ out, int m = 0) {
+                              void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr) {
 #pragma unroll
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
@@ -1985,9 +1987,12 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       const int at = PERM ? (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1) : i;
 #pragma unroll
       for (int t = 0; t < 2; ++t)
-        if (n + t < rows && i < n_out)
+        if (n + t < rows && i < n_out) {
+          const float wt = WOI ? wrow[row0 + n + t] : 1.0f;
           static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
-              f32_to_bf16(silu_mul<CLAMP>(acc[0][j + t], acc[NACC - 1][j + t]));
+              f32_to_bf16(silu_mul<CLAMP>(WOI ? acc[0][j + t] * wt : acc[0][j + t],
+                                          WOI ? acc[NACC - 1][j + t] * wt : acc[NACC - 1][j + t]));
+        }
     } else {
       const bool odd = (lane >> 2) & 1;
       const float a0 = acc[m][j], a1 = acc[m][j + 1];
@@ -2060,11 +2065,13 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0>
+          bool BULK = false, int F4 = 0, bool WOI = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
-                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr) {
+                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
+                             const float* __restrict__ wrow = nullptr) {
+  static_assert(!WOI || (GATED && GATHER), "WOI: the routed experts' gate/up GEMM");
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
   static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
@@ -2365,7 +2372,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
-      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT>(acc, it, lane, rows, row0, n_out, out);
+      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT, WOI>(acc, it, lane, rows, row0, n_out, out,
+                                                                                 0, wrow);
     }
   }
 }
@@ -2440,9 +2448,12 @@ MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int expe
 // 3. each entry's row: its expert's first row, + its expert's entries in earlier chunks, in
 //    earlier warps of its chunk, in earlier lanes of its warp. tok[row] = its token, slot[entry] =
 //    row (-1 for a zero expert).
+// WOI: each row's routing weight too (wrow[row] = wts[entry]), for the gate/up epilogue.
+template <bool WOI = false>
 MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int experts, int top_k,
                                    const int* __restrict__ counts, const int* __restrict__ first,
-                                   int* __restrict__ tok, int* __restrict__ slot) {
+                                   int* __restrict__ tok, int* __restrict__ slot,
+                                   const float* __restrict__ wts = nullptr, float* __restrict__ wrow = nullptr) {
   __shared__ unsigned short wcnt[32][512];
   for (int k = threadIdx.x; k < 32 * experts; k += blockDim.x) wcnt[k / experts][k % experts] = 0;
   __syncthreads();
@@ -2462,11 +2473,12 @@ MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int
     for (int w = 0; w < warp; ++w) row += wcnt[w][e];
     tok[row] = i / top_k;
     slot[i] = row;
+    if (WOI) wrow[row] = wts[i];
   }
 }
 // out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
 // then + gate[t] * YS[t, c] with a shared expert (gate null: 1); Y, YS and out bf16. Four columns
-// c .. c + 3 of token t a thread.
+// c .. c + 3 of token t a thread. WOI: the routed experts' weights are in Y already (1 here).
 MOE_DEVICE void fma_bf16x4(float (&s)[4], float w, const bf16_t* __restrict__ p) {
   const uint2 v = *reinterpret_cast<const uint2*>(p);
   s[0] = fmaf(w, bf16_to_f32((bf16_t)(v.x & 0xffffu)), s[0]);
@@ -2474,6 +2486,7 @@ MOE_DEVICE void fma_bf16x4(float (&s)[4], float w, const bf16_t* __restrict__ p)
   s[2] = fmaf(w, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
   s[3] = fmaf(w, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
 }
+template <bool WOI = false>
 MOE_DEVICE void prefill_combine_body(const bf16_t* __restrict__ y, const int* __restrict__ slot,
                                      const float* __restrict__ wts, const bf16_t* __restrict__ x,
                                      bf16_t* __restrict__ out, int hidden, int top_k, int t, int c,
@@ -2482,7 +2495,8 @@ MOE_DEVICE void prefill_combine_body(const bf16_t* __restrict__ y, const int* __
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j = 0; j < top_k; ++j) {
     const int row = slot[t * top_k + j];
-    fma_bf16x4(s, wts[t * top_k + j], row >= 0 ? y + (size_t)row * hidden + c : x + (size_t)t * hidden + c);
+    fma_bf16x4(s, WOI && row >= 0 ? 1.0f : wts[t * top_k + j],
+               row >= 0 ? y + (size_t)row * hidden + c : x + (size_t)t * hidden + c);
   }
   if (ys) fma_bf16x4(s, gate ? gate[t] : 1.0f, ys + (size_t)t * hidden + c);
   *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
