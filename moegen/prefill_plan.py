@@ -43,10 +43,13 @@ TOKENS_PER_EXPERT = 10
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
-# The routing weight on the expert input (Llama-4) through the prefill kernels: generated and
-# compiled (tests/test_prefill.py), and refused until its GPU check
-# (tests/test_gpu_features.py, which sets this) has passed.
-WOI_PREFILL = False
+# Prefill paths generated and compiled without spills (tests/test_prefill.py) but refused by name
+# until their GPU check (tests/test_gpu_features.py, which empties this set) has passed:
+# "weight_on_input" (Llama-4: the routing weight scales gate and up in the routed gate/up epilogue),
+# "bias" (GPT-OSS: the experts' biases in both epilogues, and its clamped SwiGLU with alpha and
+# up + 1), "bm64" (widths of whole 4-warp blocks but not 8-warp ones, GPT-OSS's 2880: one consumer
+# warpgroup beside the producer one).
+PENDING = frozenset({"weight_on_input", "bias", "bm64"})
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -57,7 +60,9 @@ def tiles(c: Layer) -> GemmTiles:
     # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
     # warpgroup only (unsupported() names the rest)
     fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
-    bm = t.prefill_bm or TILES.bm
+    # (widths of whole 4-warp blocks but not 8-warp ones, GPT-OSS's 2880: one consumer warpgroup)
+    whole8 = (c.i // 16) % 8 == 0 and (c.h // 16) % 8 == 0
+    bm = t.prefill_bm or (TILES.bm if whole8 or (c.i // 16) % 4 or (c.h // 16) % 4 or "bm64" in PENDING else 64)
     # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
     bulk = t.prefill_bulk_a and t.prefill_ws
@@ -87,11 +92,14 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
          "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
-        (act.kind.value != "silu_gated" or act.alpha, f"activation {c.act_tag}"),
+        (not (act.kind.value == "silu_gated" and not act.alpha
+              or act.kind.value == "swiglu_clamped" and "bias" not in PENDING), f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
-        (c.bias, "expert biases"),
-        (c.woi and not WOI_PREFILL, "routing weights on the input (the prefill kernels wait for their GPU check)"),
+        (c.bias and "bias" in PENDING, "expert biases (the prefill kernels wait for their GPU check)"),
+        (c.bias and not c.tune.prefill_ws, "expert biases without the producer warpgroup"),
+        (c.woi and "weight_on_input" in PENDING,
+         "routing weights on the input (the prefill kernels wait for their GPU check)"),
         (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),
         (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
@@ -179,16 +187,16 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "") + ("_bulk" if t.bulk_a else "")
     wf = t.wfmt
 
-    def targs(gated: str, mats: str, gather: str = "", woi: bool = False) -> tuple[str, ...]:
+    def targs(gated: str, mats: str, gather: str = "", woi: bool = False, bias: bool = False) -> tuple[str, ...]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
-        on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights) and WOI (the
-        routing weight on the input: the routed gate/up GEMM scales gate and up by it) up to the
-        last that is not its default."""
+        on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
+        routing weight on the input: the routed gate/up GEMM scales gate and up by it) and BIAS (the
+        routed experts' biases) up to the last that is not its default."""
         pair = gated == "false" and t.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (t.fp8, t.a8, pair,
                                                                           t.bulk_a and (gated == "true" or pair))),
-                FP4_MACRO.get(t.fp4, "0"), str(woi).lower()]
-        default = [None, None, gated, "false", "false", "false", "false", "0", "false"]
+                FP4_MACRO.get(t.fp4, "0"), str(woi).lower(), str(bias).lower()]
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
@@ -207,9 +215,17 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     wrow = ("float* __restrict__ wrow", None, "ws.slot_w")
     topk_w = ("const float* __restrict__ wts", None, "ws.topk_w")
 
-    def woi_args(name: str, xs: str = "") -> tuple[str, ...]:
+    def woi_args(name: str, xs: str = "", biases: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The routed GEMMs' arguments after their scales: (sc, xs, wrow, bias0, bias1) as far as used."""
         have = sarg(name, xs)
+        if c.bias:
+            return (*have, *("nullptr",) * (2 - len(have)), "wrow" if c.woi else "nullptr", *biases)
         return (*have, *("nullptr",) * (2 - len(have)), "wrow") if c.woi else have
+
+    # BIAS (GPT-OSS): the routed experts' biases, [E][I] for gate and up, [E][H] for down
+    b13 = ((("const float* __restrict__ b_gate", None, "w.b_gate"), ("const float* __restrict__ b_up", None, "w.b_up"))
+           if c.bias else ())
+    b2 = (("const float* __restrict__ b_down", None, "w.b_down"),) if c.bias else ()
 
     # the GEMMs' inputs: bf16 rows (X' permuted, H' permuted by the gate/up epilogue), or with A8
     # the e4m3 codes the quantization kernels write (x, then H in column order)
@@ -249,23 +265,23 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       + (", and its routing weight" if c.woi else "")),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}"
                              + ("_winput" if c.woi else ""), t.packed_threads,
-                             targs("true", "2", woi=c.woi),
+                             targs("true", "2", woi=c.woi, bias=c.bias),
                              ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
-                              *((wrow,) if c.woi else ())),
+                              *((wrow,) if c.woi else ()), *b13),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *woi_args("s13", "sx")),
+                              *woi_args("s13", "sx", ("b_gate", "b_up"))),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
-                          targs("false", str(c.tune.down_tiles)),
+                          targs("false", str(c.tune.down_tiles), bias=c.bias),
                           ((f"{act_in} hp", None, hin),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
-                           n, *scales("s2", "sa")),
+                           n, *scales("s2", "sa"), *b2),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
-                           *sarg("s2", "sa")),
+                           *(woi_args("s2", "sa", ("b_down",)) if c.bias else sarg("s2", "sa"))),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")

@@ -238,6 +238,30 @@ def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
         layer.close()
 
 
+def _scale_past_the_limit(spec, plan, dev_w, host, names, factor, at_least):
+    """Gate and up weights (names) times factor on the device and in the reference's copy, so that
+    the activation's limit binds: at least `at_least` of the first expert's gates (up: |up|) pass it
+    on random inputs."""
+    for name in names:
+        dev_w[name].mul_(factor)
+        host[name] = _host(dev_w[name])
+    x = np.random.default_rng().standard_normal((64, plan.hidden))
+    limit = spec.experts.activation.limit
+    for m in ("experts.gate_proj", "experts.up_proj"):
+        v = x @ np.asarray(host[m][0], np.float64).T
+        assert np.mean(v > limit if m.endswith("gate_proj") else np.abs(v) > limit) > at_least, m
+
+
+def _check_prefill_ends(label, spec, plan, layer, host, torch) -> None:
+    """N = 7 (the GEMV path) and both ends of the first prefill bucket against the reference, and
+    the largest N of the bucket bitwise repeatable."""
+    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
+    _check_counts(label, spec, plan, layer, host, torch, counts=(7, below + 1, plan.prefill_from))
+    x = torch.randn(plan.prefill_from, plan.hidden, device="cuda", dtype=torch.bfloat16)
+    a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+
+
 @pytest.mark.parametrize("shared_clamp", [True, False])
 def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clamp, tmp_path):
     """DeepSeek-V4's SiLU clamped at 10 (gate from above, up both ways; the shared expert's as its
@@ -251,21 +275,13 @@ def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clam
                        "max_tokens": 1024}, check_generated=False)
     plan = make_plan(spec)
     assert plan.prefill_from, "the clamped SiLU layer has prefill buckets"
-    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
-    for name in ("experts.gate_proj", "experts.up_proj", "shared_expert.gate_proj", "shared_expert.up_proj"):
-        dev_w[name].mul_(8.0)
-        host[name] = _host(dev_w[name])
-    x = np.random.default_rng().standard_normal((64, plan.hidden))
-    limit = spec.experts.activation.limit
-    for m in ("experts.gate_proj", "experts.up_proj"):  # the limit binds (about 11% and 21%)
-        v = x @ np.asarray(host[m][0], np.float64).T
-        assert np.mean(v > limit if m.endswith("gate_proj") else np.abs(v) > limit) > 0.05, m
+    _scale_past_the_limit(spec, plan, dev_w, host, ("experts.gate_proj", "experts.up_proj", "shared_expert.gate_proj",
+                                                    "shared_expert.up_proj"), 8.0, 0.05)  # about 11% and 21%
     layer = load(tmp_path / spec.name, dev_w)
     try:
-        _check_counts(f"clamp (shared {shared_clamp})", spec, plan, layer, host, torch,
-                      counts=(7, below + 1, plan.prefill_from))
+        _check_prefill_ends(f"clamp (shared {shared_clamp})", spec, plan, layer, host, torch)
     finally:
         layer.close()
 
@@ -273,7 +289,7 @@ def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clam
 def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path, monkeypatch):
     """Llama-4's rule (top-1 sigmoid of the logit, the weight scaling the expert's input, a shared
     expert always added) through the prefill kernels, which the plan refuses until this passes
-    (moegen.prefill_plan.WOI_PREFILL, set here): the place kernel writes each row's weight,
+    (moegen.prefill_plan.PENDING, set here): the place kernel writes each row's weight,
     the routed gate/up GEMM scales gate and up by it before the activation, the combine adds Y
     unweighted; at N = 7 (the GEMV path) and both ends of the first prefill bucket, against the
     reference, and the largest N of the bucket bitwise repeatable."""
@@ -281,19 +297,42 @@ def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path
 
     from moegen import prefill_plan
 
-    monkeypatch.setattr(prefill_plan, "WOI_PREFILL", True)
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"weight_on_input"})
     spec = parse_spec({**BASE, **CASES["weight_on_input"], "max_tokens": 1024}, check_generated=False)
     plan = make_plan(spec)
     assert plan.prefill_from, "the weight-on-input layer has prefill buckets"
-    below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
     layer = load(tmp_path / spec.name, dev_w)
     try:
-        _check_counts("weight_on_input prefill", spec, plan, layer, host, torch, counts=(7, below + 1, plan.prefill_from))
-        x = torch.randn(plan.prefill_from, plan.hidden, device="cuda", dtype=torch.bfloat16)
-        a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for _ in range(2))
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "two runs on the same input differ"
+        _check_prefill_ends("weight_on_input prefill", spec, plan, layer, host, torch)
+    finally:
+        layer.close()
+
+
+def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(tmp_path, monkeypatch):
+    """GPT-OSS's experts through the prefill kernels, which the plan refuses until this passes
+    (moegen.prefill_plan.PENDING: "bias" and "bm64", emptied here): its widths (2880, whole blocks of
+    4 warps, not 8: one consumer warpgroup), the biases added in the gate/up and down epilogues,
+    the clamped SwiGLU (alpha 1.702, limit 7, up + 1) on gate and up weights scaled by 4 so that the
+    limit binds for some; at N = 7 (the GEMV path) and both ends of the first prefill bucket,
+    against the reference, and the largest N of the bucket bitwise repeatable."""
+    import torch
+
+    from moegen import prefill_plan
+
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"bias", "bm64"})
+    case = CASES["gpt_oss"]
+    spec = parse_spec({**BASE, **case, "hidden_size": 2880, "max_tokens": 1024,
+                       "experts": {**case["experts"], "intermediate_size": 2880}}, check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from and plan.prefill_tiles[0] == 64, (plan.prefill_from, plan.prefill_tiles)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    _scale_past_the_limit(spec, plan, dev_w, host, ("experts.gate_proj", "experts.up_proj"), 4.0, 0.02)  # ~4%, 8%
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_prefill_ends("gpt_oss prefill", spec, plan, layer, host, torch)
     finally:
         layer.close()
 

@@ -242,6 +242,19 @@ def test_fp8_prefill_takes_block_scaled_layers():
         assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0
 
 
+def _compiles_clean(spec, plan, kernels) -> None:
+    """The layer compiles without ptxas's warnings (C7508: setmaxnreg ignored; C7513, C7514: wgmmas
+    serialized), and these kernels without spills or a stack frame."""
+    from moegen.build import render_all
+
+    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
+    for code in ("C7508", "C7513", "C7514"):
+        assert code not in out.log, out.log
+    for k in kernels:
+        r = out.resources[k.name]
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+
+
 @pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
                                         ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16)])
 def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
@@ -267,7 +280,6 @@ def test_clamped_silu_layers_get_prefill_buckets():
     from pathlib import Path
 
     from moegen import prefill_plan
-    from moegen.build import render_all
     from moegen.families import Layer
     from moegen.plan import TARGETS, make_plan
     from moegen.spec import load_spec
@@ -278,12 +290,7 @@ def test_clamped_silu_layers_get_prefill_buckets():
     gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
     assert plan.prefill_from and len(gemms) == 4, [k.name for k in gemms]
     assert all("_silu_gated_l10_" in k.name for k in gemms if "gate_up" in k.family), [k.name for k in gemms]
-    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
-    for code in ("C7508", "C7513", "C7514"):
-        assert code not in out.log, out.log
-    for k in gemms:
-        r = out.resources[k.name]
-        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+    _compiles_clean(spec, plan, gemms)
     oss = load_spec(specs / "gpt-oss-20b.yaml")
     assert "activation swiglu_clamped" in prefill_plan.unsupported(Layer.of(oss, TARGETS[oss.arch]))
     assert make_plan(oss).prefill_from == 0
@@ -291,7 +298,7 @@ def test_clamped_silu_layers_get_prefill_buckets():
 
 def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
     """Llama-4's routing weight on the expert input through the prefill kernels (refused by the plan
-    until their GPU check has passed, moegen.prefill_plan.WOI_PREFILL; here let through): the place kernel
+    until their GPU check has passed, moegen.prefill_plan.PENDING; here let through): the place kernel
     writes each row's weight into slot_w, the routed gate/up GEMM (template argument WOI, last) reads
     it after its two scale arguments, the combine adds Y unweighted; the shared expert's GEMMs are
     the plain ones; everything compiles without spills or ptxas's warnings. Without the producer
@@ -301,7 +308,6 @@ def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
     import yaml
 
     from moegen import prefill_plan
-    from moegen.build import render_all
     from moegen.families import Layer, Tuning
     from moegen.plan import TARGETS, make_plan
     from moegen.spec import parse_spec
@@ -310,7 +316,7 @@ def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
     spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
     assert "the prefill kernels wait for their GPU check" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
     assert make_plan(spec).prefill_from == 0
-    monkeypatch.setattr(prefill_plan, "WOI_PREFILL", True)
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"weight_on_input"})
     plan = make_plan(spec)
     assert plan.prefill_from == 512  # 16 experts, top-1: 10 tokens each from N = 160, the bucket of 257..512
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
@@ -319,14 +325,44 @@ def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
     assert gu.targs[-1] == "true" and gu.args[-3:] == ("nullptr", "nullptr", "wrow") and gu.arg_keys[-1] == "ws.slot_w"
     assert len(ks["prefill_gemm_gate_up_shared"].targs) < 9 and "wrow" not in ks["prefill_gemm_gate_up_shared"].args
     assert ks["prefill_combine"].targs == ("true",)
-    out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
-    for code in ("C7508", "C7513", "C7514"):
-        assert code not in out.log, out.log
-    for k in ks.values():
-        r = out.resources[k.name]
-        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
+    _compiles_clean(spec, plan, ks.values())
     why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(prefill_ws=False)))
     assert "routing weights on the input without the producer warpgroup" in why
+
+
+def test_expert_bias_layers_get_prefill_buckets(monkeypatch):
+    """GPT-OSS's BF16 experts through the prefill kernels (refused by the plan until their GPU check
+    has passed, moegen.prefill_plan.PENDING "bias" and "bm64"; here let through): widths of 2880
+    (180 16-row tiles: whole blocks of 4 warps, not 8) take one consumer warpgroup (bm 64) and the
+    down GEMM without row-group pairs; the gate/up and down GEMMs (template argument BIAS, last)
+    take the experts' biases after their scale and weight arguments; everything compiles without
+    spills or ptxas's warnings. Its MXFP4 layers stay on the GEMV path (FP4 needs the pairs)."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.families import Layer
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import parse_spec
+
+    specs = Path(__file__).resolve().parent.parent / "specs"
+    data = yaml.safe_load((specs / "gpt-oss-20b.yaml").read_text())
+    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
+    why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+    assert "expert biases (the prefill kernels wait for their GPU check)" in why and make_plan(spec).prefill_from == 0
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"bias", "bm64"})
+    plan = make_plan(spec)
+    assert plan.prefill_from == 256 and plan.prefill_tiles[0] == 64  # 32 experts, top-4; 2880 = 180 tiles
+    ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill_gemm")}
+    gu, dn = ks["prefill_gemm_gate_up"], ks["prefill_gemm_down"]
+    assert gu.targs[-1] == "true" and gu.args[-5:] == ("nullptr", "nullptr", "nullptr", "b_gate", "b_up")
+    assert dn.targs[-1] == "true" and dn.args[-4:] == ("nullptr", "nullptr", "nullptr", "b_down")
+    assert "_pair" not in dn.name and gu.arg_keys[-2:] == ("w.b_gate", "w.b_up") and dn.arg_keys[-1] == "w.b_down"
+    _compiles_clean(spec, plan, ks.values())
+    mx = parse_spec({**yaml.safe_load((specs / "gpt-oss-20b-mxfp4.yaml").read_text()), "max_tokens": 16384},
+                    check_generated=False)
+    assert "mxfp4 weights without" in prefill_plan.unsupported(Layer.of(mx, TARGETS[mx.arch]))
 
 
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():

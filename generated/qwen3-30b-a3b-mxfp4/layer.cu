@@ -3146,18 +3146,20 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
 }
 }  // namespace gg
 
-// SiLU(g) * u in the gate/up epilogue (the prefill path takes SiLU-gated experts only), CLAMP with
-// the layer's limit as activate() has it (gate from above, up both ways; DeepSeek-V4): expf, then
-// div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0 as the IEEE
-// division gives). The IEEE division's slow path, inlined at each of the epilogue's sites (64 at
-// BN 128), doubled ptxas's time for the kernel (0.83 s against 0.50 s).
+// SiLU(g) * u in the gate/up epilogue (or GPT-OSS's clamped SwiGLU, (u + 1) g sigmoid(alpha g)),
+// CLAMP with the layer's limit as activate() has it (gate from above, up both ways; DeepSeek-V4,
+// GPT-OSS): expf, then div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0
+// as the IEEE division gives). The IEEE division's slow path, inlined at each of the epilogue's
+// sites (64 at BN 128), doubled ptxas's time for the kernel (0.83 s against 0.50 s).
 template <bool CLAMP>
 MOE_DEVICE float silu_mul(float g, float u) {
-  static_assert(ActRule::KIND == MOE_ACT_SILU, "the prefill epilogue: SiLU");
+  static_assert(ActRule::KIND == MOE_ACT_SILU || ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED,
+                "the prefill epilogue: SiLU or clamped SwiGLU");
   if (CLAMP && ActRule::LIMIT > 0.0f) {
     g = fminf(g, ActRule::LIMIT);
     u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
   }
+  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
@@ -3169,10 +3171,13 @@ MOE_DEVICE float silu_mul(float g, float u) {
 // token (the even row token n's, the odd row token n + 1's). CLAMP: the activation with the layer's
 // limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT). WOI (GATED, the
 // routed experts' with the routing weight on the input, Llama-4): gate and up of row p times its
-// (token, choice)'s weight wrow[p] before the activation, as the GEMV kernels scale them.
-template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false>
+// (token, choice)'s weight wrow[p] before the activation, as the GEMV kernels scale them. BIAS (the
+// expert's biases, GPT-OSS; b0 and b1 this expert's, by weight row): GATED, gate + b0[i] and up +
+// b1[i] before the activation; otherwise Y + b0[i].
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false, bool BIAS = false>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
-                              void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr) {
+                              void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr,
+                              const float* __restrict__ b0 = nullptr, const float* __restrict__ b1 = nullptr) {
 #pragma unroll
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
@@ -3184,13 +3189,15 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       for (int t = 0; t < 2; ++t)
         if (n + t < rows && i < n_out) {
           const float wt = WOI ? wrow[row0 + n + t] : 1.0f;
+          const float g = BIAS ? acc[0][j + t] + b0[i] : acc[0][j + t];
+          const float u = BIAS ? acc[NACC - 1][j + t] + b1[i] : acc[NACC - 1][j + t];
           static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
-              f32_to_bf16(silu_mul<CLAMP>(WOI ? acc[0][j + t] * wt : acc[0][j + t],
-                                          WOI ? acc[NACC - 1][j + t] * wt : acc[NACC - 1][j + t]));
+              f32_to_bf16(silu_mul<CLAMP>(WOI ? g * wt : g, WOI ? u * wt : u));
         }
     } else {
       const bool odd = (lane >> 2) & 1;
-      const float a0 = acc[m][j], a1 = acc[m][j + 1];
+      const float bi = BIAS && i < n_out ? b0[i] : 0.0f;  // (both values are weight row i's)
+      const float a0 = BIAS ? acc[m][j] + bi : acc[m][j], a1 = BIAS ? acc[m][j + 1] + bi : acc[m][j + 1];
       const float v = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
       const u32 word = odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
       const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i;
@@ -3260,13 +3267,15 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false>
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
-                             const float* __restrict__ wrow = nullptr) {
+                             const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
+                             const float* __restrict__ bias1 = nullptr) {
   static_assert(!WOI || (GATED && GATHER), "WOI: the routed experts' gate/up GEMM");
+  static_assert(!BIAS || (GATHER || !GATED), "BIAS: the routed experts' GEMMs (bias0, bias1: [E][n_out] fp32)");
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
   static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
@@ -3562,13 +3571,16 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
         for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
       }
     }
+    // BIAS: this tile's expert's biases
+    const float* b0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    const float* b1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
     if constexpr (PAIR) {  // the group's two tiles
-      prefill_store<false, NACC, BN>(acc, 2 * it, lane, rows, row0, n_out, out, 0);
-      prefill_store<false, NACC, BN>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1);
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, b0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr, b0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
-      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT, WOI>(acc, it, lane, rows, row0, n_out, out,
-                                                                                 0, wrow);
+      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
+                                                                                       out, 0, wrow, b0, b1);
     }
   }
 }
