@@ -3572,15 +3572,16 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       }
     }
     // BIAS: this tile's expert's biases
-    const float* b0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
-    const float* b1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    const float* eb0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    const float* eb1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
     if constexpr (PAIR) {  // the group's two tiles
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, b0);
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr, b0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, eb0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr,
+                                                            eb0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
       prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
-                                                                                       out, 0, wrow, b0, b1);
+                                                                                       out, 0, wrow, eb0, eb1);
     }
   }
 }
