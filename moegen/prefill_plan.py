@@ -215,12 +215,12 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     wrow = ("float* __restrict__ wrow", None, "ws.slot_w")
     topk_w = ("const float* __restrict__ wts", None, "ws.topk_w")
 
-    def woi_args(name: str, xs: str = "", biases: tuple[str, ...] = ()) -> tuple[str, ...]:
-        """The routed GEMMs' arguments after their scales: (sc, xs, wrow, bias0, bias1) as far as used."""
-        have = sarg(name, xs)
-        if c.bias:
-            return (*have, *("nullptr",) * (2 - len(have)), "wrow" if c.woi else "nullptr", *biases)
-        return (*have, *("nullptr",) * (2 - len(have)), "wrow") if c.woi else have
+    def tail(name: str, xs: str = "", woi: bool = False, biases: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The routed GEMMs' last arguments, (sc, xs, wrow, bias0, bias1) up to the last one used."""
+        full = [*sarg(name, xs), *("nullptr",) * (2 - len(sarg(name, xs))), "wrow" if woi else "nullptr", *biases]
+        while full and full[-1] == "nullptr":
+            full.pop()
+        return tuple(full)
 
     # BIAS (GPT-OSS): the routed experts' biases, [E][I] for gate and up, [E][H] for down
     b13 = ((("const float* __restrict__ b_gate", None, "w.b_gate"), ("const float* __restrict__ b_up", None, "w.b_up"))
@@ -271,7 +271,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
                               *((wrow,) if c.woi else ()), *b13),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *woi_args("s13", "sx", ("b_gate", "b_up"))),
+                              *tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ())),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
@@ -281,7 +281,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
                            n, *scales("s2", "sa"), *b2),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
-                           *(woi_args("s2", "sa", ("b_down",)) if c.bias else sarg("s2", "sa"))),
+                           *tail("s2", "sa", biases=("b_down",) if c.bias else ())),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")
