@@ -32,7 +32,11 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # expert. Measured on the H200 (2026-12-01, A/B in one process, GEMV against prefill kernels, us):
 # Qwen3-Next-80B-A3B N = 512 / 1024 (10 / 20 an expert) 1010.9 / 1263.0 against 869.8 / 904.3;
 # Qwen3-30B-A3B N = 256 (16) 335.7 against 328.1; DeepSeek-V3-FP8 N = 256 (8; 2026-11-30) 3704.0
-# against 3830.9; Mixtral-8x7B's crossover at or below N = 128 (32).
+# against 3830.9; Mixtral-8x7B's crossover at or below N = 128 (32); Llama-4-Scout N = 257 (16)
+# 1600.3 against 1202.0. With one consumer warpgroup (bm 64) the GEMMs stream a hit expert's weights
+# at about two thirds of the rate of two, so the count doubles there. Measured on the H200
+# (2026-12-01, the same A/B): GPT-OSS-20B N = 129 / 256 (16 / 32 an expert) 398.8 / 596.9 against
+# 551.8 / 564.3; GPT-OSS-120B N = 513 / 1024 (16 / 32) 1620.3 / 2597.1 against 2096.8 / 2158.8.
 TOKENS_PER_EXPERT = 10
 # FP8 activations: the GEMV scales every token's products of every 32-wide chunk in fp32 (the
 # token's scale changes each 128 channels), so its time grows with the tokens an expert gets from
@@ -43,13 +47,6 @@ TOKENS_PER_EXPERT = 10
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
-# Prefill paths generated and compiled without spills (tests/test_prefill.py) but refused by name
-# until their GPU check (tests/test_gpu_features.py, which empties this set) has passed:
-# "weight_on_input" (Llama-4: the routing weight scales gate and up in the routed gate/up epilogue),
-# "bias" (GPT-OSS: the experts' biases in both epilogues, and its clamped SwiGLU with alpha and
-# up + 1), "bm64" (widths of whole 4-warp blocks but not 8-warp ones, GPT-OSS's 2880: one consumer
-# warpgroup beside the producer one).
-PENDING = frozenset({"weight_on_input", "bias", "bm64"})
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -62,7 +59,7 @@ def tiles(c: Layer) -> GemmTiles:
     fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
     # (widths of whole 4-warp blocks but not 8-warp ones, GPT-OSS's 2880: one consumer warpgroup)
     whole8 = (c.i // 16) % 8 == 0 and (c.h // 16) % 8 == 0
-    bm = t.prefill_bm or (TILES.bm if whole8 or (c.i // 16) % 4 or (c.h // 16) % 4 or "bm64" in PENDING else 64)
+    bm = t.prefill_bm or (TILES.bm if whole8 or (c.i // 16) % 4 or (c.h // 16) % 4 else 64)
     # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
     bulk = t.prefill_bulk_a and t.prefill_ws
@@ -92,14 +89,11 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
          "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
-        (not (act.kind.value == "silu_gated" and not act.alpha
-              or act.kind.value == "swiglu_clamped" and "bias" not in PENDING), f"activation {c.act_tag}"),
+        (not (act.kind.value == "silu_gated" and not act.alpha or act.kind.value == "swiglu_clamped"),
+         f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
         (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
-        (c.bias and "bias" in PENDING, "expert biases (the prefill kernels wait for their GPU check)"),
         (c.bias and not c.tune.prefill_ws, "expert biases without the producer warpgroup"),
-        (c.woi and "weight_on_input" in PENDING,
-         "routing weights on the input (the prefill kernels wait for their GPU check)"),
         (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),
         (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
@@ -116,15 +110,15 @@ def unsupported(c: Layer) -> str:
 def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
     first power-of-two bucket whose smallest N (half its size, plus one) gives the routed experts
-    TOKENS_PER_EXPERT tokens each on average; with FP8 activations from A8_TOKENS_PER_EXPERT
-    tokens an expert; a tuning may move it."""
+    TOKENS_PER_EXPERT tokens each on average (twice as many with one consumer warpgroup); with FP8
+    activations from A8_TOKENS_PER_EXPERT tokens an expert; a tuning may move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
     if tiles(c).a8:
         return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
-    first, b = math.ceil(TOKENS_PER_EXPERT * c.e / c.k), 1
+    first, b = math.ceil(TOKENS_PER_EXPERT * TILES.bm // tiles(c).bm * c.e / c.k), 1
     while b // 2 + 1 < first:
         b *= 2
     return b

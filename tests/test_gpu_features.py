@@ -286,18 +286,14 @@ def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clam
         layer.close()
 
 
-def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path, monkeypatch):
+def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path):
     """Llama-4's rule (top-1 sigmoid of the logit, the weight scaling the expert's input, a shared
-    expert always added) through the prefill kernels, which the plan refuses until this passes
-    (moegen.prefill_plan.PENDING, set here): the place kernel writes each row's weight,
+    expert always added) through the prefill kernels: the place kernel writes each row's weight,
     the routed gate/up GEMM scales gate and up by it before the activation, the combine adds Y
     unweighted; at N = 7 (the GEMV path) and both ends of the first prefill bucket, against the
     reference, and the largest N of the bucket bitwise repeatable."""
     import torch
 
-    from moegen import prefill_plan
-
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"weight_on_input"})
     spec = parse_spec({**BASE, **CASES["weight_on_input"], "max_tokens": 1024}, check_generated=False)
     plan = make_plan(spec)
     assert plan.prefill_from, "the weight-on-input layer has prefill buckets"
@@ -310,18 +306,14 @@ def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path
         layer.close()
 
 
-def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(tmp_path, monkeypatch):
-    """GPT-OSS's experts through the prefill kernels, which the plan refuses until this passes
-    (moegen.prefill_plan.PENDING: "bias" and "bm64", emptied here): its widths (2880, whole blocks of
+def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(tmp_path):
+    """GPT-OSS's experts through the prefill kernels: its widths (2880, whole blocks of
     4 warps, not 8: one consumer warpgroup), the biases added in the gate/up and down epilogues,
     the clamped SwiGLU (alpha 1.702, limit 7, up + 1) on gate and up weights scaled by 4 so that the
     limit binds for some; at N = 7 (the GEMV path) and both ends of the first prefill bucket,
     against the reference, and the largest N of the bucket bitwise repeatable."""
     import torch
 
-    from moegen import prefill_plan
-
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"bias", "bm64"})
     case = CASES["gpt_oss"]
     spec = parse_spec({**BASE, **case, "hidden_size": 2880, "max_tokens": 1024,
                        "experts": {**case["experts"], "intermediate_size": 2880}}, check_generated=False)

@@ -256,12 +256,15 @@ def _compiles_clean(spec, plan, kernels) -> None:
 
 
 @pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
-                                        ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16)])
+                                        ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16),
+                                        ("llama-4-scout", 512), ("gpt-oss-20b", 512), ("gpt-oss-120b", 2048)])
 def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
     against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
-    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256."""
+    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256;
+    with one consumer warpgroup (GPT-OSS's widths) twice the tokens an expert: GPT-OSS-20B's 398.8
+    against 551.8 at N = 129, 596.9 against 564.3 at 256 (the bucket from 257 on)."""
     from pathlib import Path
 
     from moegen.plan import make_plan
@@ -276,7 +279,7 @@ def test_clamped_silu_layers_get_prefill_buckets():
     """SiLU clamped at the layer's limit (DeepSeek-V4) runs on the prefill GEMMs too: the epilogue
     clamps the routed experts' gate and up (the shared expert's as ActRule::SHARED_LIMIT says), the
     kernels' names carry the activation, and the four GEMMs compile without spills or ptxas's
-    warnings; GPT-OSS's clamped SwiGLU (alpha, up + 1, biases) stays on the GEMV path, by name."""
+    warnings."""
     from pathlib import Path
 
     from moegen import prefill_plan
@@ -291,32 +294,23 @@ def test_clamped_silu_layers_get_prefill_buckets():
     assert plan.prefill_from and len(gemms) == 4, [k.name for k in gemms]
     assert all("_silu_gated_l10_" in k.name for k in gemms if "gate_up" in k.family), [k.name for k in gemms]
     _compiles_clean(spec, plan, gemms)
-    oss = load_spec(specs / "gpt-oss-20b.yaml")
-    assert "activation swiglu_clamped" in prefill_plan.unsupported(Layer.of(oss, TARGETS[oss.arch]))
-    assert make_plan(oss).prefill_from == 0
+    assert not prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
 
 
-def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
-    """Llama-4's routing weight on the expert input through the prefill kernels (refused by the plan
-    until their GPU check has passed, moegen.prefill_plan.PENDING; here let through): the place kernel
+def test_weight_on_input_layers_get_prefill_buckets():
+    """Llama-4's routing weight on the expert input through the prefill kernels: the place kernel
     writes each row's weight into slot_w, the routed gate/up GEMM (template argument WOI, last) reads
     it after its two scale arguments, the combine adds Y unweighted; the shared expert's GEMMs are
     the plain ones; everything compiles without spills or ptxas's warnings. Without the producer
     warpgroup the layer stays on the GEMV path, by name."""
     from pathlib import Path
 
-    import yaml
-
     from moegen import prefill_plan
     from moegen.families import Layer, Tuning
     from moegen.plan import TARGETS, make_plan
-    from moegen.spec import parse_spec
+    from moegen.spec import load_spec
 
-    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "llama-4-scout.yaml").read_text())
-    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
-    assert "the prefill kernels wait for their GPU check" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
-    assert make_plan(spec).prefill_from == 0
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"weight_on_input"})
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "llama-4-scout.yaml")
     plan = make_plan(spec)
     assert plan.prefill_from == 512  # 16 experts, top-1: 10 tokens each from N = 160, the bucket of 257..512
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
@@ -330,9 +324,8 @@ def test_weight_on_input_layers_get_prefill_buckets(monkeypatch):
     assert "routing weights on the input without the producer warpgroup" in why
 
 
-def test_expert_bias_layers_get_prefill_buckets(monkeypatch):
-    """GPT-OSS's BF16 experts through the prefill kernels (refused by the plan until their GPU check
-    has passed, moegen.prefill_plan.PENDING "bias" and "bm64"; here let through): widths of 2880
+def test_expert_bias_layers_get_prefill_buckets():
+    """GPT-OSS's BF16 experts through the prefill kernels: widths of 2880
     (180 16-row tiles: whole blocks of 4 warps, not 8) take one consumer warpgroup (bm 64) and the
     down GEMM without row-group pairs; the gate/up and down GEMMs (template argument BIAS, last)
     take the experts' biases after their scale and weight arguments; everything compiles without
@@ -344,16 +337,12 @@ def test_expert_bias_layers_get_prefill_buckets(monkeypatch):
     from moegen import prefill_plan
     from moegen.families import Layer
     from moegen.plan import TARGETS, make_plan
-    from moegen.spec import parse_spec
+    from moegen.spec import load_spec, parse_spec
 
     specs = Path(__file__).resolve().parent.parent / "specs"
-    data = yaml.safe_load((specs / "gpt-oss-20b.yaml").read_text())
-    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
-    why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
-    assert "expert biases (the prefill kernels wait for their GPU check)" in why and make_plan(spec).prefill_from == 0
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"bias", "bm64"})
+    spec = load_spec(specs / "gpt-oss-20b.yaml")
     plan = make_plan(spec)
-    assert plan.prefill_from == 256 and plan.prefill_tiles[0] == 64  # 32 experts, top-4; 2880 = 180 tiles
+    assert plan.prefill_from == 512 and plan.prefill_tiles[0] == 64  # 32 experts, top-4; 2880 = 180 tiles
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill_gemm")}
     gu, dn = ks["prefill_gemm_gate_up"], ks["prefill_gemm_down"]
     assert gu.targs[-1] == "true" and gu.args[-5:] == ("nullptr", "nullptr", "nullptr", "b_gate", "b_up")
