@@ -32,11 +32,18 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # expert. Measured on the H200 (2026-12-01, A/B in one process, GEMV against prefill kernels, us):
 # Qwen3-Next-80B-A3B N = 512 / 1024 (10 / 20 an expert) 1010.9 / 1263.0 against 869.8 / 904.3;
 # Qwen3-30B-A3B N = 256 (16) 335.7 against 328.1; DeepSeek-V3-FP8 N = 256 (8; 2026-11-30) 3704.0
-# against 3830.9; Mixtral-8x7B's crossover at or below N = 128 (32); Llama-4-Scout N = 257 (16)
-# 1600.3 against 1202.0. With one consumer warpgroup (bm 64) the GEMMs stream a hit expert's weights
-# at about two thirds of the rate of two, so the count doubles there. Measured on the H200
-# (2026-12-01, the same A/B): GPT-OSS-20B N = 129 / 256 (16 / 32 an expert) 398.8 / 596.9 against
-# 551.8 / 564.3; GPT-OSS-120B N = 513 / 1024 (16 / 32) 1620.3 / 2597.1 against 2096.8 / 2158.8.
+# against 3830.9; Mixtral-8x7B's crossover at or below N = 128 (32); Llama-4-Scout N = 129 / 257
+# (8 / 16) 1293.0 / 1600.3 against 1147.3 / 1202.0; GPT-OSS-120B N = 257 / 513 / 1024 (8 / 16 / 32)
+# 1509.0 / 1634.6 / 2667.1 against 1572.3 / 1603.1 / 1678.9; GPT-OSS-20B N = 129 / 256 (16 / 32)
+# 403.6 / 617.1 against 430.4 / 440.5. FP4 weights cross later, at 16-32 tokens an expert
+# (the GEMV path reads a quarter of the bytes), which the buckets' steps leave at the same first
+# bucket where that bucket's smallest N gives 16: Qwen3-30B-A3B-MXFP4 N = 257 / 512 299.5 / 441.5
+# against 328.3 / 335.2 (NVFP4 280.8 / 416.6 against 337.2 / 343.6), DeepSeek-V3-NVFP4 N = 513 /
+# 1024 4704.0 / 7989.2 against 5530.4 / 5614.8, GPT-OSS-20B-MXFP4 N = 129 / 256 341.6 / 508.5
+# against 441.9 / 447.3, GPT-OSS-120B-MXFP4 N = 513 / 1024 1315.7 / 1904.5 against 1649.2 / 1689.0.
+# With one consumer warpgroup (tuning prefill_bm=64) the GEMMs stream a hit expert's weights at
+# about two thirds of the rate of two, so the count doubles there: GPT-OSS-20B N = 129 / 256 398.8
+# / 596.9 against 551.8 / 564.3 (all: the H200, 2026-12-01, the same A/B).
 TOKENS_PER_EXPERT = 10
 # FP8 activations: the GEMV scales every token's products of every 32-wide chunk in fp32 (the
 # token's scale changes each 128 channels), so its time grows with the tokens an expert gets from
@@ -57,11 +64,10 @@ def tiles(c: Layer) -> GemmTiles:
     # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
     # warpgroup only (unsupported() names the rest)
     fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
-    # (widths of whole 4-warp blocks but not 8-warp ones, GPT-OSS's 2880: one consumer warpgroup)
-    whole8 = (c.i // 16) % 8 == 0 and (c.h // 16) % 8 == 0
-    bm = t.prefill_bm or (TILES.bm if whole8 or (c.i // 16) % 4 or (c.h // 16) % 4 else 64)
-    # PAIR: row groups of two tiles (down_tiles 2), whole blocks of them over H
-    pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and (c.h // 32) % (bm // 64 * 4) == 0
+    bm = t.prefill_bm or TILES.bm
+    # PAIR: row groups of two tiles (down_tiles 2), a block of them or more over H (the last block
+    # overlapping the one before where they are not whole blocks)
+    pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and c.h // 32 >= bm // 64 * 4
     bulk = t.prefill_bulk_a and t.prefill_ws
     # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
     fp4 = c.fmt_e if c.fmt_e in FP4_FORMATS and bulk and pair else ""
@@ -82,6 +88,7 @@ def unsupported(c: Layer) -> str:
     spec = c.spec
     act = spec.experts.activation
     w = tiles(c).threads // 32
+    ws = c.tune.prefill_ws  # (its GEMMs' last row block overlaps the one before where widths are not whole blocks)
     fp8 = c.fmt_e == "fp8_block"
     checks = (
         (c.fmt_e not in ("bf16", "fp8_block", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
@@ -89,17 +96,22 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
          "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
+        # (a single consumer warpgroup's FP4 down pairs spill: 16 bytes of stack at 240 registers)
+        (c.fmt_e in FP4_FORMATS and tiles(c).bm < TILES.bm, f"{c.fmt_e} weights with one consumer warpgroup"),
         (not (act.kind.value == "silu_gated" and not act.alpha or act.kind.value == "swiglu_clamped"),
          f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
-        (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
+        (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or c.si // 16 < w or not ws and (c.si // 16) % w),
+         f"shared expert {c.fmt_s} x {c.si}"),
         (c.bias and not c.tune.prefill_ws, "expert biases without the producer warpgroup"),
         (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),
         (spec.batch_invariant, "batch_invariant (one reduction order for every N)"),
         (c.e_local > MAX_EXPERTS, f"more than {MAX_EXPERTS} experts"),
         (c.h % 64 or c.i % 64, "hidden and expert widths not multiples of 64"),
-        ((c.i // 16) % w or (c.h // 16) % w, f"widths not whole blocks of {w} 16-row tiles"),
+        (min(c.i, c.h) // 16 < w, f"widths under a block of {w} 16-row tiles"),
+        (not ws and ((c.i // 16) % w or (c.h // 16) % w),
+         f"widths not whole blocks of {w} 16-row tiles without the producer warpgroup"),
         (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
         (max(tiles(c).gate_up_smem_bytes, tiles(c).down_smem_bytes) > TARGETS[c.spec.arch].smem_per_block,
          f"the GEMMs' rings of {tiles(c).stages} / {tiles(c).dstages} stages exceed a block's shared memory"),
@@ -344,7 +356,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = 16 * warps) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
         multiprocessor; otherwise a block per (row block of `rows`, tile)."""
-        return ("sms", 1) if t.persistent(k_dim) else (n_out // rows, n_tiles)
+        return ("sms", 1) if t.persistent(k_dim) else (-(-n_out // rows), n_tiles)
 
     first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})

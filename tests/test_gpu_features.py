@@ -306,25 +306,40 @@ def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path
         layer.close()
 
 
-def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(tmp_path):
-    """GPT-OSS's experts through the prefill kernels: its widths (2880, whole blocks of
-    4 warps, not 8: one consumer warpgroup), the biases added in the gate/up and down epilogues,
-    the clamped SwiGLU (alpha 1.702, limit 7, up + 1) on gate and up weights scaled by 4 so that the
-    limit binds for some; at N = 7 (the GEMV path) and both ends of the first prefill bucket,
-    against the reference, and the largest N of the bucket bitwise repeatable."""
+@pytest.mark.parametrize("fmt,bm", [("bf16", 128), ("bf16", 64), ("mxfp4", 128)])
+def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(fmt, bm, tmp_path):
+    """GPT-OSS's experts through the prefill kernels, in BF16 and in MXFP4 as released: its widths
+    (2880: 180 16-row tiles, 90 row groups, whole blocks of neither 8 warps nor, for the down
+    GEMM's row-group pairs, 4: the last row block overlapping the one before), with two consumer
+    warpgroups (the plan's) and, in BF16, one (tuning prefill_bm=64); the biases added in the gate/up and
+    down epilogues, the clamped SwiGLU (alpha 1.702, limit 7, up + 1) on gate and up weights
+    scaled by 4 (MXFP4: by 8, each E8M0 scale plus 3) so that the limit binds for some; at N = 7 (the
+    GEMV path) and both ends of the first prefill bucket, against the reference, and the largest N
+    of the bucket bitwise repeatable."""
     import torch
+
+    from moegen.formats import MXFP4Weight
 
     case = CASES["gpt_oss"]
     spec = parse_spec({**BASE, **case, "hidden_size": 2880, "max_tokens": 1024,
-                       "experts": {**case["experts"], "intermediate_size": 2880}}, check_generated=False)
-    plan = make_plan(spec)
-    assert plan.prefill_from and plan.prefill_tiles[0] == 64, (plan.prefill_from, plan.prefill_tiles)
+                       "experts": {**case["experts"], "intermediate_size": 2880, "format": fmt}}, check_generated=False)
+    plan = make_plan(spec, tuning=Tuning(prefill_bm=bm) if bm != 128 else None)
+    assert plan.prefill_from and plan.prefill_tiles[0] == bm, (plan.prefill_from, plan.prefill_tiles)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
-    _scale_past_the_limit(spec, plan, dev_w, host, ("experts.gate_proj", "experts.up_proj"), 4.0, 0.02)  # ~4%, 8%
+    names = ("experts.gate_proj", "experts.up_proj")
+    if fmt == "bf16":
+        _scale_past_the_limit(spec, plan, dev_w, host, names, 4.0, 0.02)  # ~4%, 8%
+    else:
+        for name in names:
+            s = np.asarray(dev_w[name + "_scale"]).astype(np.int64) + 3
+            assert s.max() <= 254, "the scales stay finite"
+            dev_w[name + "_scale"] = s.astype(np.uint8)
+            host[name] = MXFP4Weight(np.asarray(dev_w[name]), dev_w[name + "_scale"], 2 * np.shape(dev_w[name])[-1]).dequantize()
+        _scale_past_the_limit(spec, plan, dev_w, host, (), 1.0, 0.02)
     layer = load(tmp_path / spec.name, dev_w)
     try:
-        _check_prefill_ends("gpt_oss prefill", spec, plan, layer, host, torch)
+        _check_prefill_ends(f"gpt_oss {fmt} bm {bm} prefill", spec, plan, layer, host, torch)
     finally:
         layer.close()
 

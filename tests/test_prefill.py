@@ -257,14 +257,16 @@ def _compiles_clean(spec, plan, kernels) -> None:
 
 @pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
                                         ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16),
-                                        ("llama-4-scout", 512), ("gpt-oss-20b", 512), ("gpt-oss-120b", 2048)])
+                                        ("llama-4-scout", 512), ("gpt-oss-20b", 256), ("gpt-oss-120b", 1024),
+                                        ("qwen3-30b-a3b-mxfp4", 512), ("deepseek-v3-nvfp4", 1024)])
 def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
     against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
-    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256;
-    with one consumer warpgroup (GPT-OSS's widths) twice the tokens an expert: GPT-OSS-20B's 398.8
-    against 551.8 at N = 129, 596.9 against 564.3 at 256 (the bucket from 257 on)."""
+    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256,
+    GPT-OSS-120B's 1634.6 against 1603.1 at 513; FP4 weights cross at 16-32 tokens an expert:
+    Qwen3-30B-A3B-MXFP4's 299.5 against 328.3 at 257 and 441.5 against 335.2 at 512,
+    DeepSeek-V3-NVFP4's 4704.0 against 5530.4 at 513 and 7989.2 against 5614.8 at 1024."""
     from pathlib import Path
 
     from moegen.plan import make_plan
@@ -324,34 +326,41 @@ def test_weight_on_input_layers_get_prefill_buckets():
     assert "routing weights on the input without the producer warpgroup" in why
 
 
-def test_expert_bias_layers_get_prefill_buckets():
-    """GPT-OSS's BF16 experts through the prefill kernels: widths of 2880
-    (180 16-row tiles: whole blocks of 4 warps, not 8) take one consumer warpgroup (bm 64) and the
-    down GEMM without row-group pairs; the gate/up and down GEMMs (template argument BIAS, last)
-    take the experts' biases after their scale and weight arguments; everything compiles without
-    spills or ptxas's warnings. Its MXFP4 layers stay on the GEMV path (FP4 needs the pairs)."""
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-20b-mxfp4"])
+def test_expert_bias_layers_get_prefill_buckets(name):
+    """GPT-OSS's experts (BF16, and MXFP4 as released) through the prefill kernels: widths of 2880
+    (180 16-row tiles, 90 row groups: whole blocks of neither 8 warps nor 4) take the plan's two
+    consumer warpgroups and the down GEMM on row-group pairs, the last row block of each GEMM
+    overlapping the one before; the gate/up and down GEMMs (template argument BIAS, last) take the
+    experts' biases after their scale and weight arguments; everything compiles without spills or
+    ptxas's warnings, in BF16 with one consumer warpgroup too (tuning prefill_bm=64), which FP4
+    weights are refused (their down pairs spill there)."""
     from pathlib import Path
 
-    import yaml
-
     from moegen import prefill_plan
-    from moegen.families import Layer
+    from moegen.families import Layer, Tuning
     from moegen.plan import TARGETS, make_plan
-    from moegen.spec import load_spec, parse_spec
+    from moegen.spec import load_spec
 
-    specs = Path(__file__).resolve().parent.parent / "specs"
-    spec = load_spec(specs / "gpt-oss-20b.yaml")
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
     plan = make_plan(spec)
-    assert plan.prefill_from == 512 and plan.prefill_tiles[0] == 64  # 32 experts, top-4; 2880 = 180 tiles
+    assert plan.prefill_from == 256 and plan.prefill_tiles[0] == 128  # 32 experts, top-4
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill_gemm")}
     gu, dn = ks["prefill_gemm_gate_up"], ks["prefill_gemm_down"]
-    assert gu.targs[-1] == "true" and gu.args[-5:] == ("nullptr", "nullptr", "nullptr", "b_gate", "b_up")
-    assert dn.targs[-1] == "true" and dn.args[-4:] == ("nullptr", "nullptr", "nullptr", "b_down")
-    assert "_pair" not in dn.name and gu.arg_keys[-2:] == ("w.b_gate", "w.b_up") and dn.arg_keys[-1] == "w.b_down"
+    n_sc = 2 if name.endswith("mxfp4") else 0  # (the scale records' pointers, then xs)
+    assert gu.targs[-1] == "true" and gu.args[-5:] == (*(("s13",) if n_sc else ("nullptr",)), "nullptr", "nullptr",
+                                                       "b_gate", "b_up")
+    assert dn.targs[-1] == "true" and dn.args[-4:] == (*(("s2",) if n_sc else ("nullptr",)), "nullptr", "nullptr",
+                                                       "b_down")
+    assert "_pair" in dn.name and gu.arg_keys[-2:] == ("w.b_gate", "w.b_up") and dn.arg_keys[-1] == "w.b_down"
     _compiles_clean(spec, plan, ks.values())
-    mx = parse_spec({**yaml.safe_load((specs / "gpt-oss-20b-mxfp4.yaml").read_text()), "max_tokens": 16384},
-                    check_generated=False)
-    assert "mxfp4 weights without" in prefill_plan.unsupported(Layer.of(mx, TARGETS[mx.arch]))
+    one = Tuning(prefill_bm=64)
+    if n_sc:
+        assert "mxfp4 weights with one consumer warpgroup" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], one))
+    else:
+        plan = make_plan(spec, tuning=one)
+        assert plan.prefill_tiles[0] == 64 and plan.prefill_from == 512  # (twice the tokens an expert)
+        _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill_gemm")])
 
 
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():

@@ -1949,6 +1949,12 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
   const int grp = b / (g * tiles), first = grp * g, size = min(g, rbs - first), rem = b - grp * g * tiles;
   return make_int2(first + rem % size, rem / size);
 }
+// The first warp unit (16-row tile, or row group) of row block rb of `warps` units: where the
+// units are not whole blocks of them, the last block overlaps the one before it (GPT-OSS's 90 row
+// groups in blocks of 4), its rows computed twice the same way and the same bits stored twice.
+MOE_DEVICE int row_unit(int rb, int warps, int units) {
+  return units % warps ? min(rb * warps, units - warps) : rb * warps;
+}
 }  // namespace gg
 
 // SiLU(g) * u in the gate/up epilogue (or GPT-OSS's clamped SwiGLU, (u + 1) g sigmoid(alpha g)),
@@ -2129,7 +2135,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // the next block's first stages while the consumers finish and store the last one's.
   // a warp's unit of rows: a 16-row tile, or (PAIR) a row group of two
   const int wtiles = PAIR ? row_tiles / 2 : row_tiles;
-  const int rbs = wtiles / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  const int rbs = (wtiles + WARPS - 1) / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
   const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
@@ -2158,27 +2164,28 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
       static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
       const size_t wstride = TWO ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
-      const uint4* abase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
+      const int wu = gg::row_unit(blk.x, WARPS, wtiles);  // the block's first warp unit
+      const uint4* abase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 128 + pu * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
       // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group, RUN uint4 over K)
       constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
       const size_t RUN = (size_t)ktiles * AK;
-      const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * RUN;
+      const uint4* arun = w + ((size_t)e * wtiles + wu + pu) * RUN;
       // F4: producer thread p < WARPS * SCW / 16 copies 16 bytes of warp p / (SCW / 16)'s scales of
       // each k-tile: its tile's (row group's) record, REC bytes, SCW of them a k-tile
       constexpr int SCT = WARPS * SCW / 16;
       const unsigned char* fsrc = reinterpret_cast<const unsigned char*>(sc) +
-                                  ((size_t)e * wtiles + blk.x * WARPS + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
+                                  ((size_t)e * wtiles + wu + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
-      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 +
+      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 +
                                        (pu % 2) * MATS * 32 + pl;
-      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 + pl;
+      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
         if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
@@ -2232,6 +2239,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     return;
   }
 
+  // (one consumer warpgroup: 240, the most a thread takes; two: 224, 2 x 128 x 224 + 128 x 56 of
+  // the multiprocessor's 64K)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   const int warp = tid >> 5, lane = tid & 31;
   const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
@@ -2352,7 +2361,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
     if (rows <= 0) continue;
-    const int it = blk.x * WARPS + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    const int it = gg::row_unit(blk.x, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
       scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];

@@ -4,7 +4,7 @@
 // E=32 routed experts, top-4, H=2880, I=2880.
 // Routing: top-4 of 32 raw logits (fp32 logits with bias) -> softmax over the 4.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 49766400 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -1949,6 +1949,12 @@ MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
   const int grp = b / (g * tiles), first = grp * g, size = min(g, rbs - first), rem = b - grp * g * tiles;
   return make_int2(first + rem % size, rem / size);
 }
+// The first warp unit (16-row tile, or row group) of row block rb of `warps` units: where the
+// units are not whole blocks of them, the last block overlaps the one before it (GPT-OSS's 90 row
+// groups in blocks of 4), its rows computed twice the same way and the same bits stored twice.
+MOE_DEVICE int row_unit(int rb, int warps, int units) {
+  return units % warps ? min(rb * warps, units - warps) : rb * warps;
+}
 }  // namespace gg
 
 // SiLU(g) * u in the gate/up epilogue (or GPT-OSS's clamped SwiGLU, (u + 1) g sigmoid(alpha g)),
@@ -2091,7 +2097,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   constexpr bool TWO = GATED || PAIR;
   // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
   constexpr int BN = 128, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
-  constexpr int CONSUMERS = 128, WARPS = CONSUMERS / 32;
+  constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
   static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
@@ -2101,7 +2107,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
   constexpr int SCC = F4 == MOE_W_NVFP4 ? 64 : 32, SCW = 2 * SCC;
   constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 || F4 ? 1024 : 0;
-  static_assert(!F4 || 128 / 32 * SCW <= SC_BYTES, "FP4: every warp's scales in the stage");
+  static_assert(!F4 || 256 / 32 * SCW <= SC_BYTES, "FP4: every warp's scales in the stage");
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
@@ -2129,7 +2135,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // the next block's first stages while the consumers finish and store the last one's.
   // a warp's unit of rows: a 16-row tile, or (PAIR) a row group of two
   const int wtiles = PAIR ? row_tiles / 2 : row_tiles;
-  const int rbs = wtiles / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  const int rbs = (wtiles + WARPS - 1) / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
   const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
@@ -2158,27 +2164,28 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
       static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
       const size_t wstride = TWO ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
-      const uint4* abase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 128 + pu * 32 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 64 +
+      const int wu = gg::row_unit(blk.x, WARPS, wtiles);  // the block's first warp unit
+      const uint4* abase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 128 + pu * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
       const u32 adst = B_BYTES + pu * 512 + pl * 16;
       // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group, RUN uint4 over K)
       constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
       const size_t RUN = (size_t)ktiles * AK;
-      const uint4* arun = w + ((size_t)e * wtiles + blk.x * WARPS + pu) * RUN;
+      const uint4* arun = w + ((size_t)e * wtiles + wu + pu) * RUN;
       // F4: producer thread p < WARPS * SCW / 16 copies 16 bytes of warp p / (SCW / 16)'s scales of
       // each k-tile: its tile's (row group's) record, REC bytes, SCW of them a k-tile
       constexpr int SCT = WARPS * SCW / 16;
       const unsigned char* fsrc = reinterpret_cast<const unsigned char*>(sc) +
-                                  ((size_t)e * wtiles + blk.x * WARPS + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
+                                  ((size_t)e * wtiles + wu + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
       // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
       // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
       // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
-      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 +
+      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 +
                                        (pu % 2) * MATS * 32 + pl;
-      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + blk.x * WARPS) * kc * 64 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + blk.x * WARPS / MATS) * kc * MATS * 32 + pl;
+      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
         if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
@@ -2232,6 +2239,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     return;
   }
 
+  // (one consumer warpgroup: 240, the most a thread takes; two: 224, 2 x 128 x 224 + 128 x 56 of
+  // the multiprocessor's 64K)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   const int warp = tid >> 5, lane = tid & 31;
   const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
@@ -2352,7 +2361,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
     if (rows <= 0) continue;
-    const int it = blk.x * WARPS + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    const int it = gg::row_unit(blk.x, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
       scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];
@@ -2568,10 +2577,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: top-4 of 32 raw logits (fp32 logits with bias) -> softmax over the 4; one token per warp, the last block groups the tokens by expert up to N = 256
+// route: top-4 of 32 raw logits (fp32 logits with bias) -> softmax over the 4; one token per warp, the last block groups the tokens by expert up to N = 128
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e32_k4_softmax_logits_rbias_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<32, 32, 4, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e32_k4_softmax_logits_rbias_fp32_n16384_g128_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<32, 32, 4, 1, 16384, false, 256, 128>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 32 rows x 2880, K split 18 ways, 8 tokens per pass; the last block routes
@@ -2658,16 +2667,16 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e32_k4_sm_9
   prefill_place_body(ids, n * 4, 32, 4, counts, first, tok, slot);
 }
 #endif
-// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 4 16-row tiles x 128 tokens a block
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256, 1) moe_prefill_gate_up_e32_k4_h2880_i2880_bm64_bn128_s4_ws_bulk_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e32_k4_h2880_i2880_bm128_bn128_s4_ws_bulk_bf16_swiglu_clamped_a1p702_l7_bias_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ b_gate, const float* __restrict__ b_up) {
   prefill_gemm<true, 2, true, false, false, false, true, 0, false, true>(xp, tok, w13, tiles, h, 2880, 2880, 180, 32, n, 4, 32, nullptr, nullptr, nullptr, b_gate, b_up);
 }
 #endif
-// prefill: Y = H' Wd per expert (bf16), 4 16-row tiles x 128 tokens a block
+// prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256, 1) moe_prefill_down_e32_k4_h2880_i2880_bm64_bn128_s4_ws_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ b_down) {
-  prefill_gemm<false, 2, false, false, false, false, false, 0, false, true>(hp, nullptr, w2, tiles, y, 2880, 2880, 180, 32, n, 4, 32, nullptr, nullptr, nullptr, b_down);
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e32_k4_h2880_i2880_bm128_bn128_s4_ws_pair_bulk_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ b_down) {
+  prefill_gemm<false, 2, false, false, false, true, true, 0, false, true>(hp, nullptr, w2, tiles, y, 2880, 2880, 180, 32, n, 4, 32, nullptr, nullptr, nullptr, b_down);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
