@@ -167,13 +167,22 @@ SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "
         ("bool", "SHARED_LIMIT", "false"), ("bool", "EXPERT_BIAS", "false"))
 
 
-def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS, sms: int = 132) -> dict:
+def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS, sms: int = 132,
+                 other_bn: int = 0) -> dict:
     """The arguments of templates/grouped_gemm.cu.j2 for tile shape t: standalone adds the extern
     kernels of this module (the plain GEMM, gate/up and down for each of down_mats, grouping,
     combine, permute); a layer's source calls the device functions from its own kernels. sms: the
-    multiprocessors, one GEMM block each, that the GEMMs' block order plans its waves for."""
+    multiprocessors, one GEMM block each, that the GEMMs' block order plans its waves for.
+    other_bn: a second tile width (tokens) some GEMMs take (the shared expert's FP8 block tile
+    beside FP4 routed experts), whose register-A wgmma wrappers are rendered too."""
     n = t.bn // 2
+
+    def shape(bn: int) -> dict:
+        return {"bn": bn, "acc_regs": ", ".join(f"%{i}" for i in range(bn // 2)),
+                "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(bn // 2))}
+
     return {
+        "shapes": [shape(b) for b in dict.fromkeys((t.bn, other_bn)) if b],
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
         "down_stages": t.dstages,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,

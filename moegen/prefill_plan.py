@@ -54,35 +54,60 @@ TOKENS_PER_EXPERT = 10
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
+# Prefill paths generated and compiled without spills (tests/test_prefill.py) but refused by name
+# until their GPU check (tests/test_gpu_features.py, which lets them through) has passed:
+# "mixed_shared" (a shared expert in another format than the routed experts', with its own tile:
+# DeepSeek-V4-Flash's FP8 block shared expert, 64 tokens a tile, beside MXFP4 routed experts' 128).
+PENDING = frozenset({"mixed_shared"})
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
 
-def tiles(c: Layer) -> GemmTiles:
-    """The GEMMs' tile shape: TILES, revised by the tuning (warpgroups, stages, producer warpgroup)."""
+def tiles(c: Layer, fmt: str = "") -> GemmTiles:
+    """The GEMMs' tile shape for weights in `fmt` (default: the routed experts'): TILES, revised by
+    the format and the tuning (warpgroups, stages, producer warpgroup)."""
     t = c.tune
+    fmt = fmt or c.fmt_e
     # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
     # warpgroup only (unsupported() names the rest)
-    fp8 = c.fmt_e == "fp8_block" and t.prefill_ws
+    fp8 = fmt == "fp8_block" and t.prefill_ws
     bm = t.prefill_bm or TILES.bm
     # PAIR: row groups of two tiles (down_tiles 2), a block of them or more over H (the last block
     # overlapping the one before where they are not whole blocks)
     pair = t.prefill_ws and t.prefill_down_pair and t.down_tiles == 2 and c.h // 32 >= bm // 64 * 4
     bulk = t.prefill_bulk_a and t.prefill_ws
     # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
-    fp4 = c.fmt_e if c.fmt_e in FP4_FORMATS and bulk and pair else ""
+    fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
                      bulk_a=bulk, fp4=fp4)
 
 
+BNT_ARG = 10  # prefill_gemm's template argument BNT (tokens a tile, where a GEMM's differ from the layer's)
+
+
+def other_bn(kernels: tuple[Kernel, ...]) -> int:
+    """The tile width (tokens) that some of the GEMMs take beside the layer's (0: none): their BNT."""
+    return max((int(k.targs[BNT_ARG]) for k in kernels if k.body == "prefill_gemm" and len(k.targs) > BNT_ARG),
+               default=0)
+
+
+def shared_tiles_of(c: Layer) -> GemmTiles:
+    """The shared expert's GEMMs' tile shape: its format's (FP8 block's 64 tokens beside FP4 routed
+    experts' 128; the rest of the shape is the layer's, one template)."""
+    return tiles(c, c.fmt_s) if c.si else tiles(c)
+
+
 def unsupported(c: Layer) -> str:
-    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take SiLU-gated
-    routed experts (clamped or not) without biases, all on this device, in BF16 or FP8 block (bf16 activations, or
-    with experts.fp8_activations e4m3 codes per token and 128 channels; with the producer
-    warpgroup), MXFP4 or NVFP4 (with the producer warpgroup, the weights by bulk copies and the down
-    GEMMs on row-group pairs), and a shared expert in the routed experts' format (as one more GEMM
-    pair over all tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)."""
+    """Why the layer has no prefill buckets ("" where it has them): the grouped GEMMs take routed
+    experts all on this device, SiLU-gated (clamped or not) or GPT-OSS's clamped SwiGLU, with or
+    without biases, the routing weight on their output or input, in BF16 or FP8 block (bf16
+    activations, or with experts.fp8_activations e4m3 codes per token and 128 channels; with the
+    producer warpgroup), MXFP4 or NVFP4 (with the producer warpgroup, two consumer warpgroups, the
+    weights by bulk copies and the down GEMMs on row-group pairs), and a shared expert (as one more
+    GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)
+    in the routed experts' format or, with the producer warpgroup, in another of those formats
+    (its own tile's width: DeepSeek-V4's FP8 block shared expert beside MXFP4 routed experts)."""
     from .plan import TARGETS
 
     spec = c.spec
@@ -90,6 +115,7 @@ def unsupported(c: Layer) -> str:
     w = tiles(c).threads // 32
     ws = c.tune.prefill_ws  # (its GEMMs' last row block overlaps the one before where widths are not whole blocks)
     fp8 = c.fmt_e == "fp8_block"
+    ts, mixed = shared_tiles_of(c), c.si > 0 and c.fmt_s != c.fmt_e
     checks = (
         (c.fmt_e not in ("bf16", "fp8_block", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
@@ -101,8 +127,11 @@ def unsupported(c: Layer) -> str:
         (not (act.kind.value == "silu_gated" and not act.alpha or act.kind.value == "swiglu_clamped"),
          f"activation {c.act_tag}"),
         (c.si > 0 and not c.tune.prefill_shared, "a shared expert (tuning prefill_shared=False)"),
-        (c.si > 0 and (c.fmt_s != c.fmt_e or c.si % 64 or c.si // 16 < w or not ws and (c.si // 16) % w),
-         f"shared expert {c.fmt_s} x {c.si}"),
+        (c.si > 0 and (c.si % 64 or c.si // 16 < w or not ws and (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
+        (mixed and (c.fmt_s not in ("bf16", "fp8_block", *FP4_FORMATS) or not ws or c.a8
+                    or c.fmt_s in FP4_FORMATS and not ts.fp4), f"shared expert {c.fmt_s} beside {c.fmt_e} experts"),
+        (mixed and "mixed_shared" in PENDING,
+         "a shared expert in another format than the routed experts' (the prefill kernels wait for their GPU check)"),
         (c.bias and not c.tune.prefill_ws, "expert biases without the producer warpgroup"),
         (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),
@@ -113,7 +142,8 @@ def unsupported(c: Layer) -> str:
         (not ws and ((c.i // 16) % w or (c.h // 16) % w),
          f"widths not whole blocks of {w} 16-row tiles without the producer warpgroup"),
         (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
-        (max(tiles(c).gate_up_smem_bytes, tiles(c).down_smem_bytes) > TARGETS[c.spec.arch].smem_per_block,
+        (max(tiles(c).gate_up_smem_bytes, tiles(c).down_smem_bytes, ts.gate_up_smem_bytes, ts.down_smem_bytes)
+         > TARGETS[c.spec.arch].smem_per_block,
          f"the GEMMs' rings of {tiles(c).stages} / {tiles(c).dstages} stages exceed a block's shared memory"),
     )
     return "; ".join(why for bad, why in checks if bad)
@@ -162,8 +192,8 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
 
 
 def shared_tiles(c: Layer, tokens: int) -> int:
-    """Tiles of the shared expert's GEMMs: every token, in order, cut at the tile's tokens."""
-    return -(-tokens // tiles(c).packed_rows) if c.si else 0
+    """Tiles of the shared expert's GEMMs: every token, in order, cut at its tile's tokens."""
+    return -(-tokens // shared_tiles_of(c).packed_rows) if c.si else 0
 
 
 def kernels(c: Layer) -> dict[str, Kernel]:
@@ -171,7 +201,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     from .plan import TARGETS, Kernel
 
     e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
-    t = tiles(c)
+    t, ts = tiles(c), shared_tiles_of(c)
     warps = t.threads // 32
     ids = ("const int* __restrict__ ids", "ids", "ws.topk_ids")
     counts = ("int* __restrict__ counts", "counts", "ws.counts")
@@ -184,37 +214,41 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     si = c.si
 
     def kern(family: str, name: str, threads: int, targs: tuple[str, ...], sig: tuple, args: tuple[str, ...],
-             body: str, comment: str) -> Kernel:
+             body: str, comment: str, tile: GemmTiles = t) -> Kernel:
         return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
                       tuple(s[2] for s in sig), body, comment,
-                      min_blocks=(1 if ws_cap and family.startswith("gemm") else
+                      min_blocks=(1 if ws_cap(tile) and family.startswith("gemm") else
                                   down_blocks if family.startswith("gemm_down") else 0))
 
-    gemm = f"bm{t.bm}_bn{t.bn}_s{t.stages}" + ("_ws" if t.ws else "") + ("_bulk" if t.bulk_a else "")
-    wf = t.wfmt
+    def gemm_tag(tile: GemmTiles) -> str:
+        return f"bm{tile.bm}_bn{tile.bn}_s{tile.stages}" + ("_ws" if tile.ws else "") + ("_bulk" if tile.bulk_a else "")
 
-    def targs(gated: str, mats: str, gather: str = "", woi: bool = False, bias: bool = False) -> tuple[str, ...]:
+    gemm, wf = gemm_tag(t), t.wfmt
+
+    def targs(gated: str, mats: str, gather: str = "", woi: bool = False, bias: bool = False,
+              tile: GemmTiles = t) -> tuple[str, ...]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
         on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
-        routing weight on the input: the routed gate/up GEMM scales gate and up by it) and BIAS (the
-        routed experts' biases) up to the last that is not its default."""
-        pair = gated == "false" and t.down_pair
-        full = [gated, mats, gather or gated, *(str(v).lower() for v in (t.fp8, t.a8, pair,
-                                                                          t.bulk_a and (gated == "true" or pair))),
-                FP4_MACRO.get(t.fp4, "0"), str(woi).lower(), str(bias).lower()]
-        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false"]
+        routing weight on the input: the routed gate/up GEMM scales gate and up by it), BIAS (the
+        routed experts' biases) and BNT (the tile's tokens; the shared expert's tile where its format's
+        differs) up to the last that is not its default."""
+        pair = gated == "false" and tile.down_pair
+        full = [gated, mats, gather or gated, *(str(v).lower() for v in (tile.fp8, tile.a8, pair,
+                                                                          tile.bulk_a and (gated == "true" or pair))),
+                FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn)]
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn)]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
 
     # FP8: the block scales after the GEMMs' other arguments (FP4: the row scales' records, as
     # bytes); A8: then the input rows' scales
-    def scales(name: str, xs: str = "") -> tuple:
-        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if t.fp8 or t.fp4 else ()) + (
-            ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if t.a8 else ())
+    def scales(name: str, xs: str = "", tile: GemmTiles = t) -> tuple:
+        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if tile.fp8 or tile.fp4 else ()) + (
+            ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if tile.a8 else ())
 
-    def sarg(name: str, xs: str = "") -> tuple[str, ...]:
-        return ((name,) if t.fp8 or t.fp4 else ()) + ((xs,) if t.a8 else ())
+    def sarg(name: str, xs: str = "", tile: GemmTiles = t) -> tuple[str, ...]:
+        return ((name,) if tile.fp8 or tile.fp4 else ()) + ((xs,) if tile.a8 else ())
 
     # WOI (Llama-4): the place kernel writes each row's routing weight (the decode path's slot_w),
     # the routed gate/up GEMM reads it after its scale arguments, the combine adds Y unweighted
@@ -237,14 +271,19 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     # the e4m3 codes the quantization kernels write (x, then H in column order)
     act_in = "const unsigned char* __restrict__" if t.a8 else "const bf16_t* __restrict__"
     xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
-    down = (f"bm{t.bm}_bn{t.bn}_s{t.dstages}" + ("_ws" if t.ws else "") + ("_pair" if t.down_pair else "")
-            + ("_bulk" if t.bulk_a and t.down_pair else ""))
+    def down_tag(tile: GemmTiles) -> str:
+        return (f"bm{tile.bm}_bn{tile.bn}_s{tile.dstages}" + ("_ws" if tile.ws else "") + ("_pair" if tile.down_pair else "")
+                + ("_bulk" if tile.bulk_a and tile.down_pair else ""))
+
+    down = down_tag(t)
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256
     # threads (bm 64) nothing else caps it, so the block asks for one block a multiprocessor
     # (without, ptxas ignores setmaxnreg: C7508); 384 threads cap it at 168 already where the
     # consumers need more (BF16), not where they need fewer (FP8: C7508 again). Without a
     # producer, the down blocks a multiprocessor fits by shared memory (registers asked to match).
-    ws_cap = t.ws and (t.packed_threads <= 256 or t.fp8)
+    def ws_cap(tile: GemmTiles) -> bool:
+        return tile.ws and (tile.packed_threads <= 256 or tile.fp8)
+
     # (a multiprocessor holds smem_per_block + 1 KB, each block 1 KB of it for the system)
     sm_smem = TARGETS[c.spec.arch].smem_per_block + 1024
     down_blocks = 2 if not t.ws and sm_smem // (t.down_smem_bytes + 1024) >= 2 else 0
@@ -256,11 +295,13 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         "count": kern("count", f"count_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, n),
                       ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
                       "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
-        "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}{'_shared' if si else ''}", GROUP_THREADS, (),
+        "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}{'_shared' if si else ''}"
+                     + (f"_r{ts.packed_rows}" if si and ts.packed_rows != t.packed_rows else ""), GROUP_THREADS, (),
                      (counts, first, table, *((stable,) if si else ()), n),
                      ("counts", f"(n * {k} + {GROUP_THREADS - 1}) / {GROUP_THREADS}", str(e), str(t.packed_rows),
                       str(max_tiles(c, c.nmax)), "first", "tiles",
-                      *(("n", "stiles", str(shared_tiles(c, c.nmax))) if si else ())), "prefill_scan_body",
+                      *(("n", "stiles", str(shared_tiles(c, c.nmax))) if si else ()),
+                      *((str(ts.packed_rows),) if si and ts.packed_rows != t.packed_rows else ())), "prefill_scan_body",
                      f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"
                      + ("; the shared expert's tiles" if si else "")),
         "place": kern("place", f"place_e{e}_k{k}" + ("_winput" if c.woi else ""), GROUP_THREADS,
@@ -323,25 +364,25 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                               "prefill_quant_body",
                               "prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER"
                               + (" (routed, then the shared expert's)" if si else ""))
-    if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs
+    if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs (its tile)
         out["gemm_gate_up_shared"] = kern(
-            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm}_{wf}_{c.act_tag}", t.packed_threads,
-            targs("true", "2", "false"),
+            "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm_tag(ts)}_{ts.wfmt}_{c.act_tag}", ts.packed_threads,
+            targs("true", "2", "false", tile=ts),
             ((f"{act_in} xp", None, xin), ("const uint4* __restrict__ ws13", None, "w.ws13"),
-             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx")),
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx", ts)),
             ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0",
-             *sarg("ss13", "sx")),
+             *sarg("ss13", "sx", ts)),
             "prefill_gemm",
-            f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {t.packed_rows} tokens a block")
+            f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {ts.packed_rows} tokens a block", ts)
         out["gemm_down_shared"] = kern(
-            "gemm_down_shared", f"down_shared_h{h}_i{si}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
-            targs("false", str(c.tune.down_tiles)),
+            "gemm_down_shared", f"down_shared_h{h}_i{si}_{down_tag(ts)}_m{c.tune.down_tiles}_{ts.wfmt}", ts.packed_threads,
+            targs("false", str(c.tune.down_tiles), tile=ts),
             ((f"{act_in} hp", None, hsin), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas")),
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas", ts)),
             ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0",
-             *sarg("ss2", "sas")),
+             *sarg("ss2", "sas", ts)),
             "prefill_gemm",
-            "prefill: the shared expert's YS = H' Wd (bf16)")
+            "prefill: the shared expert's YS = H' Wd (bf16)", ts)
     return out
 
 
@@ -350,13 +391,14 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     from .plan import Launch
 
     ks = kernels(c)
-    t = tiles(c)
+    t, ts = tiles(c), shared_tiles_of(c)
     warps = t.threads // 32
 
-    def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = 16 * warps) -> tuple[int | str, int]:
+    def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = 16 * warps, tile: GemmTiles = t
+                  ) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
         multiprocessor; otherwise a block per (row block of `rows`, tile)."""
-        return ("sms", 1) if t.persistent(k_dim) else (-(-n_out // rows), n_tiles)
+        return ("sms", 1) if tile.persistent(k_dim) else (-(-n_out // rows), n_tiles)
 
     first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
@@ -364,10 +406,10 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
              "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
     routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
               "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb), t.down_rows), t.packed_threads, t.down_smem_bytes)}
-    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb)), t.packed_threads,
-                                       t.gate_up_smem_bytes),
-               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb), t.down_rows), t.packed_threads,
-                                    t.down_smem_bytes)}
+    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb), tile=ts), ts.packed_threads,
+                                       ts.gate_up_smem_bytes),
+               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb), ts.down_rows, ts), ts.packed_threads,
+                                    ts.down_smem_bytes)}
               if c.si else {})
     experts = {**routed, **shared}
     if t.a8:  # both gate/up GEMMs, the quantization of their activations, then the downs

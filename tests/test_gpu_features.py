@@ -344,6 +344,33 @@ def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(fmt, bm
         layer.close()
 
 
+def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_reference(tmp_path, monkeypatch):
+    """DeepSeek-V4-Flash-FP4's formats through the prefill kernels, which the plan refuses until this
+    passes (moegen.prefill_plan.PENDING "mixed_shared", emptied here): MXFP4 routed experts on the
+    128-token tile, the FP8 block shared expert on its own 64-token tile (template argument BNT, a
+    tile table of its own); with DeepSeek-V4's rule (sqrt-softplus, SiLU clamped at 10, the shared
+    expert clamped) at a reduced width; at N = 7 (the GEMV path) and both ends of the first prefill
+    bucket, against the reference, and the largest N of the bucket bitwise repeatable."""
+    import torch
+
+    from moegen import prefill_plan
+
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"mixed_shared"})
+    case = CASES["sqrt_softplus"]
+    spec = parse_spec({**BASE, **case, "hidden_size": 1024, "max_tokens": 1024,
+                       "experts": {**case["experts"], "format": "mxfp4"},
+                       "shared_expert": {**case["shared_expert"], "format": "fp8_block"}}, check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from and prefill_plan.other_bn(plan.kernels) == 64, (plan.prefill_from, plan.prefill_tiles)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_prefill_ends("fp8 shared beside mxfp4 prefill", spec, plan, layer, host, torch)
+    finally:
+        layer.close()
+
+
 # FP8 block prefill: Qwen3-30B-A3B-FP8 as released, and DeepSeek-V3-FP8's rules (sigmoid, groups, a
 # shared FP8 expert) at a width small enough to pack its random weights in a few seconds; each with
 # bf16 activations and with FP8 ones (the -a8 specs: codes by codes on the tensor cores)

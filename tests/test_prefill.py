@@ -363,6 +363,46 @@ def test_expert_bias_layers_get_prefill_buckets(name):
         _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill_gemm")])
 
 
+def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
+    """DeepSeek-V4-Flash-FP4's FP8 block shared expert beside its MXFP4 routed experts (refused by
+    the plan until the GPU check has passed, moegen.prefill_plan.PENDING "mixed_shared"; here let
+    through): the shared GEMMs take FP8 block's tile (64 tokens, template argument BNT after BIAS,
+    whose register-A wgmma wrappers are rendered beside the routed tile's 128), the scan cuts the
+    shared expert's tile table at 64 rows, the launches size the shared GEMMs' rings by their own
+    tile; the layer compiles without spills or ptxas's warnings. A shared expert in a format the
+    GEMMs do not take, or beside FP8 activations, stays refused by name."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.families import Layer
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import parse_spec
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "deepseek-v4-flash-fp4.yaml").read_text())
+    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
+    assert "(the prefill kernels wait for their GPU check)" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"mixed_shared"})
+    plan = make_plan(spec)
+    assert plan.prefill_from == 1024 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[-1] == "mxfp4"
+    ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
+    gus, dns = ks["prefill_gemm_gate_up_shared"], ks["prefill_gemm_down_shared"]
+    assert len(gus.targs) == len(dns.targs) == prefill_plan.BNT_ARG + 1 and gus.targs[-1] == dns.targs[-1] == "64"
+    assert gus.targs[3] == dns.targs[3] == "true" and gus.targs[7] == "0"  # FP8, not F4
+    assert len(ks["prefill_gemm_gate_up"].targs) <= prefill_plan.BNT_ARG and prefill_plan.other_bn(plan.kernels) == 64
+    assert ks["prefill_scan"].args[-1] == "64" and ks["prefill_scan"].args[-2] == str(-(-16384 // 64))
+    launches = {x.kernel: x for x in plan.buckets[-1].launches}
+    shared_tile = prefill_plan.shared_tiles_of(Layer.of(spec, TARGETS[spec.arch]))
+    assert launches[gus.name].smem == shared_tile.gate_up_smem_bytes != launches[ks["prefill_gemm_gate_up"].name].smem
+    assert launches[gus.name].grid[1] == -(-16384 // 64)
+    _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill_gemm")])
+    a8 = parse_spec({**data, "max_tokens": 16384, "experts": {**data["experts"], "format": "fp8_block",
+                                                              "fp8_activations": True},
+                     "shared_expert": {**data["shared_expert"], "format": "bf16"}}, check_generated=False)
+    assert "shared expert bf16 beside fp8_block experts" in prefill_plan.unsupported(Layer.of(a8, TARGETS[a8.arch]))
+
+
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     """NVFP4 and MXFP4 weights get prefill buckets (BF16's tile, the format in the tiles) with the
     producer warpgroup, the weights by bulk copies and the down GEMMs on row-group pairs; without

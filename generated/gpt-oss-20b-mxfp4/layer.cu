@@ -2078,7 +2078,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false>
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2096,7 +2096,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
   // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
-  constexpr int BN = 128, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
+  constexpr int BN = BNT, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
   static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
   constexpr int PT = 128;  // producer threads
@@ -2421,11 +2421,12 @@ MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int
 // shared_max entries (the rows <= 0 past n).
 MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
                                   int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
-                                  int* __restrict__ shared_tiles = nullptr, int shared_max = 0) {
+                                  int* __restrict__ shared_tiles = nullptr, int shared_max = 0, int shared_bm = 0) {
+  const int sbm = shared_bm ? shared_bm : bm;  // (the shared expert's tile, where its format's differs)
   for (int t = threadIdx.x; t < shared_max; t += blockDim.x) {
     shared_tiles[(size_t)t * 3] = 0;
-    shared_tiles[(size_t)t * 3 + 1] = t * bm;
-    shared_tiles[(size_t)t * 3 + 2] = min(bm, n_shared - t * bm);
+    shared_tiles[(size_t)t * 3 + 1] = t * sbm;
+    shared_tiles[(size_t)t * 3 + 2] = min(sbm, n_shared - t * sbm);
   }
   __shared__ int total[512], ntile[512];
   __shared__ int tiles_used;
