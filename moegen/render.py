@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import pprint
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jinja2
