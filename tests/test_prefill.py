@@ -353,6 +353,10 @@ def test_expert_bias_layers_get_prefill_buckets(name):
     assert dn.targs[-1] == "true" and dn.args[-4:] == (*(("s2",) if n_sc else ("nullptr",)), "nullptr", "nullptr",
                                                        "b_down")
     assert "_pair" in dn.name and gu.arg_keys[-2:] == ("w.b_gate", "w.b_up") and dn.arg_keys[-1] == "w.b_down"
+    # the row blocks rounded up: 180 tiles in 23 blocks of 8 warps, 90 row groups in 12 (the last
+    # block of each overlapping the one before; gg::row_unit)
+    grids = {x.kernel: x.grid for x in plan.buckets[-1].launches}
+    assert grids[gu.name][0] == 23 and grids[dn.name][0] == 12, (grids[gu.name], grids[dn.name])
     _compiles_clean(spec, plan, ks.values())
     one = Tuning(prefill_bm=64)
     if n_sc:
