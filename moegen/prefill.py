@@ -58,6 +58,11 @@ class GemmTiles:
     # codes and their row scales in each stage (a quarter of BF16's A bytes, and 1 KB of scales),
     # each code times its scale a bf16 A fragment, exactly; the products as BF16's
     fp4: str = ""
+    # FP8 per-tensor weights (ModelOpt FP8; with the producer warpgroup): e4m3 codes as FP8 block's,
+    # half the A fragments a stage, but one scale a matrix: the products summed as BF16's over all
+    # of K, times weight_scale * input_scale at the end; the tokens' rows already quantized by the
+    # matrix's static input scale (e4m3 values held in bf16, exactly)
+    fp8_tensor: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -78,6 +83,8 @@ class GemmTiles:
         if self.fp4 not in ("", "mxfp4", "nvfp4") or (self.fp4 and (self.fp8 or not (self.bulk_a and self.down_pair))):
             raise ValueError(f"fp4={self.fp4!r}: mxfp4 or nvfp4, not with fp8, with bulk_a and down_pair (each warp's "
                              "fragments hold two matrices)")
+        if self.fp8_tensor and (self.fp8 or self.fp4 or not self.ws):
+            raise ValueError("fp8_tensor: FP8 per-tensor weights, not with fp8 or fp4, with the producer warpgroup")
 
     @property
     def dstages(self) -> int:
@@ -111,7 +118,7 @@ class GemmTiles:
     @property
     def wfmt(self) -> str:
         """The weights' format in the kernels' names."""
-        return "fp8a8" if self.a8 else "fp8" if self.fp8 else self.fp4 or "bf16"
+        return "fp8a8" if self.a8 else "fp8" if self.fp8 else "fp8t" if self.fp8_tensor else self.fp4 or "bf16"
 
     @property
     def gate_up_name(self) -> str:
@@ -135,7 +142,7 @@ class GemmTiles:
         """A stage of the ring: the tokens' B tile, each warp's `units` 16-byte fragments a lane (FP8
         weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
         scales (FP4: 1 KB) and the stage's two barriers."""
-        per_warp = units // 2 if self.fp8 and not self.a8 else units // 4 if self.fp4 else units
+        per_warp = units // 2 if self.fp8 and not self.a8 or self.fp8_tensor else units // 4 if self.fp4 else units
         return (self.bn * 128 + self.threads // 32 * per_warp * 512 + (1024 if self.a8 or self.fp4 else 0)
                 + (16 if self.ws else 0))
 

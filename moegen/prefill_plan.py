@@ -58,7 +58,9 @@ FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F
 # until their GPU check (tests/test_gpu_features.py, which lets them through) has passed:
 # "mixed_shared" (a shared expert in another format than the routed experts', with its own tile:
 # DeepSeek-V4-Flash's FP8 block shared expert, 64 tokens a tile, beside MXFP4 routed experts' 128).
-PENDING = frozenset({"mixed_shared"})
+# "fp8_tensor" (FP8 per-tensor routed experts: the token rows quantized per tile by the expert's
+# static input scale, the codes' products times weight_scale * input_scale at the end).
+PENDING = frozenset({"mixed_shared", "fp8_tensor"})
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -80,7 +82,7 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
     fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
-                     bulk_a=bulk, fp4=fp4)
+                     bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
 
 
 BNT_ARG = 10  # prefill_gemm's template argument BNT (tokens a tile, where a GEMM's differ from the layer's)
@@ -117,7 +119,11 @@ def unsupported(c: Layer) -> str:
     fp8 = c.fmt_e == "fp8_block"
     ts, mixed = shared_tiles_of(c), c.si > 0 and c.fmt_s != c.fmt_e
     checks = (
-        (c.fmt_e not in ("bf16", "fp8_block", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
+        (c.fmt_e not in ("bf16", "fp8_block", "fp8_tensor", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
+        (c.fmt_e == "fp8_tensor" and (not ws or c.si or c.bias or c.woi),
+         "FP8 per-tensor experts without the producer warpgroup, or with a shared expert, biases or the weights on the input"),
+        (c.fmt_e == "fp8_tensor" and "fp8_tensor" in PENDING,
+         "FP8 per-tensor experts (the prefill kernels wait for their GPU check)"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
@@ -183,7 +189,8 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
 
     n = c.nmax
     return (
-        Buffer("xp", "uint16", (n, c.h) if on and not tiles(c).a8 else (1,)),  # (A8: the codes in xq)
+        # (A8: the codes in xq; FP8 per-tensor: a row per (token, choice), quantized by its expert)
+        Buffer("xp", "uint16", ((n * c.k if tiles(c).fp8_tensor else n), c.h) if on and not tiles(c).a8 else (1,)),
         Buffer("counts", "int32", (chunks(c, n) * c.e_local,) if on else (1,)),
         Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
         Buffer("tiles", "int32", (max_tiles(c, n) * 3,) if on else (1,)),
@@ -230,13 +237,14 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
         on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
         routing weight on the input: the routed gate/up GEMM scales gate and up by it), BIAS (the
-        routed experts' biases) and BNT (the tile's tokens; the shared expert's tile where its format's
-        differs) up to the last that is not its default."""
+        routed experts' biases), BNT (the tile's tokens; the shared expert's tile where its format's
+        differs) and PT8 (FP8 per-tensor weights) up to the last that is not its default."""
         pair = gated == "false" and tile.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (tile.fp8, tile.a8, pair,
                                                                           tile.bulk_a and (gated == "true" or pair))),
-                FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn)]
-        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn)]
+                FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn),
+                str(tile.fp8_tensor).lower()]
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn), "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
@@ -244,11 +252,12 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     # FP8: the block scales after the GEMMs' other arguments (FP4: the row scales' records, as
     # bytes); A8: then the input rows' scales
     def scales(name: str, xs: str = "", tile: GemmTiles = t) -> tuple:
-        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if tile.fp8 or tile.fp4 else ()) + (
+        scaled = tile.fp8 or tile.fp4 or tile.fp8_tensor
+        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if scaled else ()) + (
             ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if tile.a8 else ())
 
     def sarg(name: str, xs: str = "", tile: GemmTiles = t) -> tuple[str, ...]:
-        return ((name,) if tile.fp8 or tile.fp4 else ()) + ((xs,) if tile.a8 else ())
+        return ((name,) if tile.fp8 or tile.fp4 or tile.fp8_tensor else ()) + ((xs,) if tile.a8 else ())
 
     # WOI (Llama-4): the place kernel writes each row's routing weight (the decode path's slot_w),
     # the routed gate/up GEMM reads it after its scale arguments, the combine adds Y unweighted
@@ -312,7 +321,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       + (", and its routing weight" if c.woi else "")),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}"
                              + ("_winput" if c.woi else ""), t.packed_threads,
-                             targs("true", "2", woi=c.woi, bias=c.bias),
+                             targs("true", "2", "false" if t.fp8_tensor else "", woi=c.woi, bias=c.bias),
                              ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
@@ -364,6 +373,20 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                               "prefill_quant_body",
                               "prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER"
                               + (" (routed, then the shared expert's)" if si else ""))
+    if t.fp8_tensor:  # FP8 per-tensor: no X'; the routed rows quantized per tile by their expert's input scales
+        del out["permute"]
+        out["quant_x"] = kern("quant", f"quant_x_h{h}_fp8t", EW_THREADS, ("true",),
+                              (("const bf16_t* __restrict__ x", None, c.x_expert), tok, table,
+                               ("const float* __restrict__ s13", None, "w.s13"), ("bf16_t* __restrict__ xp", None, "ws.xp")),
+                              ("x", "tok", "tiles", "s13", "4", "xp", str(h), "blockIdx.y",
+                               f"blockIdx.x * {EW_THREADS} + threadIdx.x"), "prefill_quant_tile_body",
+                              "prefill: each routed row of x quantized by its expert's static input scale, in the "
+                              "packed K order (FP8 per-tensor)")
+        out["quant_h"] = kern("quant", f"quant_h_i{i}_fp8t", EW_THREADS, ("false",),
+                              (("bf16_t* h", None, "ws.act"), table, ("const float* __restrict__ s2", None, "w.s2")),
+                              ("h", "nullptr", "tiles", "s2", "2", "h", str(i), "blockIdx.y",
+                               f"blockIdx.x * {EW_THREADS} + threadIdx.x"), "prefill_quant_tile_body",
+                              "prefill: H' quantized in place by each row's expert's down input scale (FP8 per-tensor)")
     if si:  # the shared expert: every token, in order, through its own gate/up and down GEMMs (its tile)
         out["gemm_gate_up_shared"] = kern(
             "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm_tag(ts)}_{ts.wfmt}_{c.act_tag}", ts.packed_threads,
@@ -400,10 +423,16 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         multiprocessor; otherwise a block per (row block of `rows`, tile)."""
         return ("sms", 1) if tile.persistent(k_dim) else (-(-n_out // rows), n_tiles)
 
-    first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else
+    first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else {} if t.fp8_tensor else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
     group = {"count": ((chunks(c, nb), 1), GROUP_THREADS, 0), "scan": ((1, 1), GROUP_THREADS, 0),
              "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
+
+    def per_tile(width: int) -> tuple[tuple[int, int], int, int]:  # a block per routed tile and 512 columns
+        return (-(-width // (2 * EW_THREADS)), max_tiles(c, nb)), EW_THREADS, 0
+
+    if t.fp8_tensor:  # (after place: the rows' tiles)
+        group["quant_x"] = per_tile(c.h)
     routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
               "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb), t.down_rows), t.packed_threads, t.down_smem_bytes)}
     shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb), tile=ts), ts.packed_threads,
@@ -416,5 +445,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         quant_h = {"quant_h": ((quant_blocks(nb * c.k * (c.i // 128) + nb * (c.si // 128)), 1), QUANT_THREADS, 0)}
         experts = {f: experts[f] for f in ("gemm_gate_up", "gemm_gate_up_shared") if f in experts} | quant_h | {
             f: experts[f] for f in ("gemm_down", "gemm_down_shared") if f in experts}
+    if t.fp8_tensor:  # gate/up, the quantization of H', then down
+        experts = {"gemm_gate_up": experts["gemm_gate_up"], "quant_h": per_tile(c.i), "gemm_down": experts["gemm_down"]}
     grids = {**first, **group, **experts, "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}
     return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())

@@ -371,6 +371,34 @@ def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_referenc
         layer.close()
 
 
+def test_prefill_with_fp8_per_tensor_experts_matches_reference(tmp_path, monkeypatch):
+    """FP8 per-tensor experts (ModelOpt FP8, Qwen3-30B-A3B-FP8-tensor's format) through the prefill
+    kernels, which the plan refuses until this passes (moegen.prefill_plan.PENDING "fp8_tensor",
+    emptied here): each routed row quantized by its expert's static input scale (gate's and up's
+    equal, as the loader requires there), the codes' products summed over K and scaled once, H'
+    quantized by the down projection's input scale; the scales leave some activations past +-448
+    (saturation); at a reduced width, at N = 7 (the GEMV path) and both ends of the first prefill
+    bucket, against the reference, and the largest N of the bucket bitwise repeatable."""
+    import torch
+
+    from moegen import prefill_plan
+
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"fp8_tensor"})
+    spec = parse_spec({**BASE, "hidden_size": 1024, "max_tokens": 1024,
+                       "experts": {"count": 64, "top_k": 6, "intermediate_size": 512, "format": "fp8_tensor"}},
+                      check_generated=False)
+    plan = make_plan(spec)
+    assert plan.prefill_from and plan.prefill_tiles[10] is True, (plan.prefill_from, plan.prefill_tiles)
+    write_dir(tmp_path / spec.name, render_all(spec, plan))
+    dev_w, host = _rand_weights(plan, torch)
+    assert np.array_equal(dev_w["experts.gate_proj_input_scale"], dev_w["experts.up_proj_input_scale"])
+    layer = load(tmp_path / spec.name, dev_w)
+    try:
+        _check_prefill_ends("fp8 per-tensor prefill", spec, plan, layer, host, torch)
+    finally:
+        layer.close()
+
+
 # FP8 block prefill: Qwen3-30B-A3B-FP8 as released, and DeepSeek-V3-FP8's rules (sigmoid, groups, a
 # shared FP8 expert) at a width small enough to pack its random weights in a few seconds; each with
 # bf16 activations and with FP8 ones (the -a8 specs: codes by codes on the tensor cores)
@@ -428,7 +456,7 @@ def test_prefill_fp4_scales_of_many_exponents_through_the_kernels(fmt, tmp_path)
                        "shared_expert": {"intermediate_size": 512, "gate": "none", "format": fmt}},
                       check_generated=False)
     plan = make_plan(spec)
-    assert plan.prefill_from and plan.prefill_tiles[-1] == fmt, plan.prefill_tiles
+    assert plan.prefill_from and plan.prefill_tiles[9] == fmt, plan.prefill_tiles
     below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)

@@ -389,7 +389,7 @@ def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
     assert "(the prefill kernels wait for their GPU check)" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
     monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"mixed_shared"})
     plan = make_plan(spec)
-    assert plan.prefill_from == 1024 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[-1] == "mxfp4"
+    assert plan.prefill_from == 1024 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[9] == "mxfp4"
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
     gus, dns = ks["prefill_gemm_gate_up_shared"], ks["prefill_gemm_down_shared"]
     assert len(gus.targs) == len(dns.targs) == prefill_plan.BNT_ARG + 1 and gus.targs[-1] == dns.targs[-1] == "64"
@@ -407,6 +407,47 @@ def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
     assert "shared expert bf16 beside fp8_block experts" in prefill_plan.unsupported(Layer.of(a8, TARGETS[a8.arch]))
 
 
+def test_fp8_per_tensor_experts_get_prefill_kernels(monkeypatch):
+    """Qwen3-30B-A3B-FP8-tensor's layer (refused by the plan until the GPU check has passed,
+    moegen.prefill_plan.PENDING "fp8_tensor"; here let through): no X'; after place, each routed
+    row of x quantized by its expert's static input scale (a block per routed tile, into xp with a
+    row per (token, choice)); gate/up and down on the e4m3 codes (template argument PT8, last;
+    GATHER false: the rows in order), their scales the GEMV's s13 / s2; H' quantized in place
+    between them; BF16's tile (128 tokens: the sums over all of K, one scale at the end); the
+    layer compiles without spills or ptxas's warnings. With a shared expert it stays refused."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.families import Layer
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import parse_spec
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b-fp8-tensor.yaml").read_text())
+    spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
+    assert "FP8 per-tensor experts (the prefill kernels wait" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"fp8_tensor"})
+    plan = make_plan(spec)
+    assert plan.prefill_from == 512 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[10] is True
+    ks = {k.name: k for k in plan.kernels if k.family.startswith("prefill")}
+    order = [x.kernel for x in plan.buckets[-1].launches if x.kernel in ks]
+    assert [ks[n].family for n in order] == ["prefill_count", "prefill_scan", "prefill_place", "prefill_quant",
+                                              "prefill_gemm_gate_up", "prefill_quant", "prefill_gemm_down",
+                                              "prefill_combine"]
+    qx, gu, qh, dn = (ks[order[i]] for i in (3, 4, 5, 6))
+    assert qx.targs == ("true",) and qx.args[:5] == ("x", "tok", "tiles", "s13", "4") and qx.arg_keys[-1] == "ws.xp"
+    assert qh.targs == ("false",) and qh.args[:6] == ("h", "nullptr", "tiles", "s2", "2", "h")
+    assert gu.targs[2] == "false" and gu.targs[-1] == dn.targs[-1] == "true" and len(gu.targs) == 12
+    assert gu.args[-1] == "s13" and dn.args[-1] == "s2" and "_fp8t_" in gu.name
+    assert dict((b.name, b.shape) for b in plan.workspace)["xp"] == (16384 * 8, 2048)  # a row per (token, choice)
+    _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill")])
+    shared = parse_spec({**data, "max_tokens": 16384, "shared_expert": {"intermediate_size": 512, "format": "fp8_tensor"}},
+                        check_generated=False)
+    assert "FP8 per-tensor experts without the producer warpgroup, or with a shared expert" in prefill_plan.unsupported(
+        Layer.of(shared, TARGETS[shared.arch]))
+
+
 def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     """NVFP4 and MXFP4 weights get prefill buckets (BF16's tile, the format in the tiles) with the
     producer warpgroup, the weights by bulk copies and the down GEMMs on row-group pairs; without
@@ -422,7 +463,7 @@ def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     for fmt in ("nvfp4", "mxfp4"):
         spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"qwen3-30b-a3b-{fmt}.yaml")
         ok = make_plan(spec)
-        assert ok.prefill_from == 512 and ok.prefill_tiles[1] == prefill_plan.TILES.bn and ok.prefill_tiles[-1] == fmt
+        assert ok.prefill_from == 512 and ok.prefill_tiles[1] == prefill_plan.TILES.bn and ok.prefill_tiles[9] == fmt
         for tune in ({"prefill_ws": False}, {"prefill_bulk_a": False}, {"prefill_down_pair": False}):
             why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(**tune)))
             assert f"{fmt} weights without the producer warpgroup's bulk copies and row-group pairs" in why, (tune, why)

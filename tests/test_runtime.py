@@ -536,7 +536,7 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plain)
     small = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_bm=64, prefill_stages=3, prefill_ws=False))
     gemms = [ln for ln in small.buckets[-1].launches if "gemm" in small.kernel(ln.kernel).family]
-    assert small.prefill_tiles == (64, 128, 3, False, 0, False, False, False, False, "") and {ln.block for ln in gemms} == {128}
+    assert small.prefill_tiles == (64, 128, 3, False, 0, False, False, False, False, "", False) and {ln.block for ln in gemms} == {128}
     assert all(ln.smem <= 228 * 1024 // 2 for ln in gemms)  # two blocks a multiprocessor
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], small)
 

@@ -2078,7 +2078,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128>
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2090,8 +2090,14 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
   static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
-  static_assert(F4 == 0 || ((F4 == MOE_W_MXFP4 || F4 == MOE_W_NVFP4) && BULK && !FP8),
+  static_assert(F4 == 0 || ((F4 == MOE_W_MXFP4 || F4 == MOE_W_NVFP4) && BULK && !FP8 && !PT8),
                 "FP4 weights: MX or NV, runs of two matrices by bulk copies");
+  // PT8 (FP8 per-tensor weights, the routed experts'): e4m3 codes as FP8 block's (C8: the same
+  // copies and fragments), the products summed as BF16's over all of K and times the matrix's
+  // weight_scale * input_scale at the end (sc: [E][MATS][2]; down [E][1][2]); the token rows
+  // already quantized by that input scale (prefill_quant_tile_body), read in row order (GATHER false)
+  static_assert(!PT8 || (!FP8 && !WOI && !BIAS && !GATHER), "PT8: FP8 per-tensor routed experts, rows in order");
+  constexpr bool C8 = FP8 || PT8;
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
@@ -2102,7 +2108,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
   // two chunks a k-tile, or with A8 four
-  constexpr int UNITS = (TWO ? 8 : 4) / (FP8 && !A8 ? 2 : F4 ? 4 : 1);
+  constexpr int UNITS = (TWO ? 8 : 4) / (C8 && !A8 ? 2 : F4 ? 4 : 1);
   // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned); F4 with
   // each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
   constexpr int SCC = F4 == MOE_W_NVFP4 ? 64 : 32, SCW = 2 * SCC;
@@ -2216,7 +2222,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
             cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
           }
           if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
-        } else if constexpr (FP8) {
+        } else if constexpr (C8) {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
             const int wq = TWO ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
@@ -2259,7 +2265,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       for (int c = 0; c < 4; ++c)
 #pragma unroll
         for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512));
-    } else if constexpr (FP8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
+    } else if constexpr (C8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -2385,6 +2391,15 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
         for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
       }
     }
+    if constexpr (PT8) {  // the matrices' weight_scale * input_scale, the tile's expert's
+      const float* m = sc + (size_t)tiles[blk.y * 3] * (GATED ? 4 : 2);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) {
+        const float f = __ldg(m + (GATED ? 2 * a : 0)) * __ldg(m + (GATED ? 2 * a : 0) + 1);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
+      }
+    }
     // BIAS: this tile's expert's biases
     const float* eb0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
     const float* eb1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
@@ -2394,7 +2409,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                                             eb0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
-      prefill_store<GATED, NACC, BN, !A8, GATHER || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
+      prefill_store<GATED, NACC, BN, !A8, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
                                                                                        out, 0, wrow, eb0, eb1);
     }
   }
@@ -2533,6 +2548,27 @@ MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __res
   const int at = 2 * pair, c = at & 31, s = c >> 4, q = (c >> 3) & 1, tt = (c >> 1) & 3;
   const int col = (at & ~31) + 8 * tt + 4 * s + 2 * q;
   *reinterpret_cast<u32*>(xp + (size_t)t * hidden + at) = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+}
+// FP8 per-tensor weights (PT8): the rows of routed tile `tile` quantized by its expert's static input
+// scale (sc[e * stride + 1]: gate's, equal to up's, which the loader checks; down's), e4m3(v / s)
+// saturating, held in bf16 exactly: PERM, X' rows from x through tok in the packed K order (as
+// prefill_permute_body), dst [rows][k] in row order; otherwise H' rows in place. Columns 2 pair,
+// 2 pair + 1 of every row of the tile a thread.
+template <bool PERM>
+MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict__ tok, const int* __restrict__ tiles,
+                                        const float* __restrict__ sc, int stride, bf16_t* dst, int k, int tile,
+                                        int pair) {
+  const int rows = tiles[tile * 3 + 2];
+  if (2 * pair >= k || rows <= 0) return;
+  const int e = tiles[tile * 3], row0 = tiles[tile * 3 + 1], at = 2 * pair;
+  const float s = __ldg(sc + (size_t)e * stride + 1);
+  const int c = at & 31;
+  const int col = PERM ? (at & ~31) + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) : at;
+  for (int r = 0; r < rows; ++r) {
+    const int row = row0 + r;
+    const u32 v = *reinterpret_cast<const u32*>(src + (size_t)(PERM ? tok[row] : row) * k + col);
+    *reinterpret_cast<u32*>(dst + (size_t)row * k + at) = quant_e4m3x2(v, s);
+  }
 }
 // FP8 activations (A8): rows of src (bf16, in column order) as e4m3 codes in A8_ORDER, with their
 // scales [rows][k / 128]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
