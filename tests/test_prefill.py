@@ -440,7 +440,7 @@ def test_fp8_per_tensor_experts_get_prefill_kernels(monkeypatch):
     assert qh.targs == ("false",) and qh.args[:6] == ("h", "nullptr", "tiles", "s2", "2", "h")
     assert gu.targs[2] == "false" and gu.targs[-1] == dn.targs[-1] == "true" and len(gu.targs) == 12
     assert gu.args[-1] == "s13" and dn.args[-1] == "s2" and "_fp8t_" in gu.name
-    assert dict((b.name, b.shape) for b in plan.workspace)["xp"] == (16384 * 8, 2048)  # a row per (token, choice)
+    assert {b.name: b.shape for b in plan.workspace}["xp"] == (16384 * 8, 2048)  # a row per (token, choice)
     _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill")])
     shared = parse_spec({**data, "max_tokens": 16384, "shared_expert": {"intermediate_size": 512, "format": "fp8_tensor"}},
                         check_generated=False)
