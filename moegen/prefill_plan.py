@@ -105,7 +105,8 @@ def unsupported(c: Layer) -> str:
     experts all on this device, SiLU-gated (clamped or not) or GPT-OSS's clamped SwiGLU, with or
     without biases, the routing weight on their output or input, in BF16 or FP8 block (bf16
     activations, or with experts.fp8_activations e4m3 codes per token and 128 channels; with the
-    producer warpgroup), MXFP4 or NVFP4 (with the producer warpgroup, two consumer warpgroups, the
+    producer warpgroup), FP8 per-tensor (with the producer warpgroup; no shared expert, biases or
+    weights on the input), MXFP4 or NVFP4 (with the producer warpgroup, two consumer warpgroups, the
     weights by bulk copies and the down GEMMs on row-group pairs), and a shared expert (as one more
     GEMM pair over all tokens; the tuning prefill_shared=False keeps such layers on the GEMV path)
     in the routed experts' format or, with the producer warpgroup, in another of those formats
