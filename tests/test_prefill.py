@@ -154,7 +154,8 @@ def test_grouping_kernels_agree_with_the_stable_sort():
 
 
 def test_gate_up_writes_h_in_the_permuted_order():
-    """The gate/up epilogue's column -> position formula is the inverse of k_permutation."""
+    """The gate/up epilogue's column -> position formula is the inverse of k_permutation; the
+    permute kernel's and the FP8 per-tensor row quantization's position -> column formulas are it."""
     perm = k_permutation()
     for c in range(32):
         at = 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1)  # as in the template
@@ -162,6 +163,10 @@ def test_gate_up_writes_h_in_the_permuted_order():
     for at in range(0, 32, 2):  # and the permute kernel's position -> column, for even positions
         s, q, tt = at >> 4, (at >> 3) & 1, (at >> 1) & 3
         assert perm[at] == 8 * tt + 4 * s + 2 * q
+    for at in range(0, 32, 2):  # the FP8 per-tensor row quantization's (prefill_quant_tile_body, PERM)
+        c = at & 31
+        col = 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1)
+        assert perm[at] == col and perm[at + 1] == col + 1
 
 
 @pytest.mark.parametrize("name,tuning", [("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"prefill_bm": 64}),
