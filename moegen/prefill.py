@@ -116,6 +116,11 @@ class GemmTiles:
         return f"moe_grouped_gemm_bm{self.bm}_bn{self.bn}_s{self.stages}_bf16"
 
     @property
+    def scaled(self) -> bool:
+        """Whether the GEMMs take the weights' scales as an argument (FP8 block, FP4, FP8 per-tensor)."""
+        return self.fp8 or bool(self.fp4) or self.fp8_tensor
+
+    @property
     def wfmt(self) -> str:
         """The weights' format in the kernels' names."""
         return "fp8a8" if self.a8 else "fp8" if self.fp8 else "fp8t" if self.fp8_tensor else self.fp4 or "bf16"
@@ -182,8 +187,6 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
     multiprocessors, one GEMM block each, that the GEMMs' block order plans its waves for.
     other_bn: a second tile width (tokens) some GEMMs take (the shared expert's FP8 block tile
     beside FP4 routed experts), whose register-A wgmma wrappers are rendered too."""
-    n = t.bn // 2
-
     def shape(bn: int) -> dict:
         return {"bn": bn, "acc_regs": ", ".join(f"%{i}" for i in range(bn // 2)),
                 "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(bn // 2))}
@@ -196,8 +199,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
         "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads, "sms": sms,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
-        "acc_regs": ", ".join(f"%{i}" for i in range(n)),
-        "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(n)),
+        **{k: v for k, v in shape(t.bn).items() if k != "bn"},  # the layer's tile's (the plain GEMM's wrapper)
     }
 
 

@@ -253,12 +253,11 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     # FP8: the block scales after the GEMMs' other arguments (FP4: the row scales' records, as
     # bytes); A8: then the input rows' scales
     def scales(name: str, xs: str = "", tile: GemmTiles = t) -> tuple:
-        scaled = tile.fp8 or tile.fp4 or tile.fp8_tensor
-        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if scaled else ()) + (
+        return (((f"const float* __restrict__ {name}", None, f"w.{name}"),) if tile.scaled else ()) + (
             ((f"const float* __restrict__ {xs}", None, f"ws.{xs}"),) if tile.a8 else ())
 
     def sarg(name: str, xs: str = "", tile: GemmTiles = t) -> tuple[str, ...]:
-        return ((name,) if tile.fp8 or tile.fp4 or tile.fp8_tensor else ()) + ((xs,) if tile.a8 else ())
+        return ((name,) if tile.scaled else ()) + ((xs,) if tile.a8 else ())
 
     # WOI (Llama-4): the place kernel writes each row's routing weight (the decode path's slot_w),
     # the routed gate/up GEMM reads it after its scale arguments, the combine adds Y unweighted
