@@ -54,13 +54,6 @@ TOKENS_PER_EXPERT = 10
 # against 1122 / 1730 / 2320 / 2659 us. Prefill from one token per expert on average.
 A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
-# Prefill paths generated and compiled without spills (tests/test_prefill.py) but refused by name
-# until their GPU check (tests/test_gpu_features.py, which lets them through) has passed:
-# "mixed_shared" (a shared expert in another format than the routed experts', with its own tile:
-# DeepSeek-V4-Flash's FP8 block shared expert, 64 tokens a tile, beside MXFP4 routed experts' 128).
-# "fp8_tensor" (FP8 per-tensor routed experts: the token rows quantized per tile by the expert's
-# static input scale, the codes' products times weight_scale * input_scale at the end).
-PENDING = frozenset({"mixed_shared", "fp8_tensor"})
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
 
@@ -123,8 +116,6 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e not in ("bf16", "fp8_block", "fp8_tensor", *FP4_FORMATS), f"experts.format={c.fmt_e}"),
         (c.fmt_e == "fp8_tensor" and (not ws or c.si or c.bias or c.woi),
          "FP8 per-tensor experts without the producer warpgroup, or with a shared expert, biases or the weights on the input"),
-        (c.fmt_e == "fp8_tensor" and "fp8_tensor" in PENDING,
-         "FP8 per-tensor experts (the prefill kernels wait for their GPU check)"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
@@ -137,8 +128,6 @@ def unsupported(c: Layer) -> str:
         (c.si > 0 and (c.si % 64 or c.si // 16 < w or not ws and (c.si // 16) % w), f"shared expert {c.fmt_s} x {c.si}"),
         (mixed and (c.fmt_s not in ("bf16", "fp8_block", *FP4_FORMATS) or not ws or c.a8
                     or c.fmt_s in FP4_FORMATS and not ts.fp4), f"shared expert {c.fmt_s} beside {c.fmt_e} experts"),
-        (mixed and "mixed_shared" in PENDING,
-         "a shared expert in another format than the routed experts' (the prefill kernels wait for their GPU check)"),
         (c.bias and not c.tune.prefill_ws, "expert biases without the producer warpgroup"),
         (c.woi and not c.tune.prefill_ws, "routing weights on the input without the producer warpgroup"),
         (c.ep_size > 1, "expert parallelism"),

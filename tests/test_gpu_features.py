@@ -344,9 +344,8 @@ def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(fmt, bm
         layer.close()
 
 
-def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_reference(tmp_path, monkeypatch):
-    """DeepSeek-V4-Flash-FP4's formats through the prefill kernels, which the plan refuses until this
-    passes (moegen.prefill_plan.PENDING "mixed_shared", emptied here): MXFP4 routed experts on the
+def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_reference(tmp_path):
+    """DeepSeek-V4-Flash-FP4's formats through the prefill kernels: MXFP4 routed experts on the
     128-token tile, the FP8 block shared expert on its own 64-token tile (template argument BNT, a
     tile table of its own); with DeepSeek-V4's rule (sqrt-softplus, SiLU clamped at 10, the shared
     expert clamped) at a reduced width; at N = 7 (the GEMV path) and both ends of the first prefill
@@ -354,8 +353,6 @@ def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_referenc
     import torch
 
     from moegen import prefill_plan
-
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"mixed_shared"})
     case = CASES["sqrt_softplus"]
     spec = parse_spec({**BASE, **case, "hidden_size": 1024, "max_tokens": 1024,
                        "experts": {**case["experts"], "format": "mxfp4"},
@@ -371,10 +368,9 @@ def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_referenc
         layer.close()
 
 
-def test_prefill_with_fp8_per_tensor_experts_matches_reference(tmp_path, monkeypatch):
+def test_prefill_with_fp8_per_tensor_experts_matches_reference(tmp_path):
     """FP8 per-tensor experts (ModelOpt FP8, Qwen3-30B-A3B-FP8-tensor's format) through the prefill
-    kernels, which the plan refuses until this passes (moegen.prefill_plan.PENDING "fp8_tensor",
-    emptied here): each routed row quantized by its expert's static input scale (gate's and up's
+    kernels: each routed row quantized by its expert's static input scale (gate's and up's
     equal, as the loader requires there), the codes' products summed over K and scaled once, H'
     quantized by the down projection's input scale; the scales leave some activations past +-448
     (saturation); at a reduced width, at N = 7 (the GEMV path) and both ends of the first prefill
@@ -382,8 +378,6 @@ def test_prefill_with_fp8_per_tensor_experts_matches_reference(tmp_path, monkeyp
     import torch
 
     from moegen import prefill_plan
-
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"fp8_tensor"})
     spec = parse_spec({**BASE, "hidden_size": 1024, "max_tokens": 1024,
                        "experts": {"count": 64, "top_k": 6, "intermediate_size": 512, "format": "fp8_tensor"}},
                       check_generated=False)

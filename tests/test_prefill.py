@@ -372,10 +372,8 @@ def test_expert_bias_layers_get_prefill_buckets(name):
         _compiles_clean(spec, plan, [k for k in plan.kernels if k.family.startswith("prefill_gemm")])
 
 
-def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
-    """DeepSeek-V4-Flash-FP4's FP8 block shared expert beside its MXFP4 routed experts (refused by
-    the plan until the GPU check has passed, moegen.prefill_plan.PENDING "mixed_shared"; here let
-    through): the shared GEMMs take FP8 block's tile (64 tokens, template argument BNT after BIAS,
+def test_a_shared_expert_in_another_format_takes_its_own_tile():
+    """DeepSeek-V4-Flash-FP4's FP8 block shared expert beside its MXFP4 routed experts: the shared GEMMs take FP8 block's tile (64 tokens, template argument BNT after BIAS,
     whose register-A wgmma wrappers are rendered beside the routed tile's 128), the scan cuts the
     shared expert's tile table at 64 rows, the launches size the shared GEMMs' rings by their own
     tile; the layer compiles without spills or ptxas's warnings. A shared expert in a format the
@@ -391,8 +389,6 @@ def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
 
     data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "deepseek-v4-flash-fp4.yaml").read_text())
     spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
-    assert "(the prefill kernels wait for their GPU check)" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"mixed_shared"})
     plan = make_plan(spec)
     assert plan.prefill_from == 1024 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[9] == "mxfp4"
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
@@ -412,9 +408,8 @@ def test_a_shared_expert_in_another_format_takes_its_own_tile(monkeypatch):
     assert "shared expert bf16 beside fp8_block experts" in prefill_plan.unsupported(Layer.of(a8, TARGETS[a8.arch]))
 
 
-def test_fp8_per_tensor_experts_get_prefill_kernels(monkeypatch):
-    """Qwen3-30B-A3B-FP8-tensor's layer (refused by the plan until the GPU check has passed,
-    moegen.prefill_plan.PENDING "fp8_tensor"; here let through): no X'; after place, each routed
+def test_fp8_per_tensor_experts_get_prefill_kernels():
+    """Qwen3-30B-A3B-FP8-tensor's layer: no X'; after place, each routed
     row of x quantized by its expert's static input scale (a block per routed tile, into xp with a
     row per (token, choice)); gate/up and down on the e4m3 codes (template argument PT8, last;
     GATHER false: the rows in order), their scales the GEMV's s13 / s2; H' quantized in place
@@ -431,8 +426,6 @@ def test_fp8_per_tensor_experts_get_prefill_kernels(monkeypatch):
 
     data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b-fp8-tensor.yaml").read_text())
     spec = parse_spec({**data, "max_tokens": 16384}, check_generated=False)
-    assert "FP8 per-tensor experts (the prefill kernels wait" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
-    monkeypatch.setattr(prefill_plan, "PENDING", prefill_plan.PENDING - {"fp8_tensor"})
     plan = make_plan(spec)
     assert plan.prefill_from == 512 and plan.prefill_tiles[1] == 128 and plan.prefill_tiles[10] is True
     ks = {k.name: k for k in plan.kernels if k.family.startswith("prefill")}

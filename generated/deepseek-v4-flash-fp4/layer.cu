@@ -1,10 +1,10 @@
 // moegen 0.1.0: deepseek-v4-flash-fp4 (deepseek-ai/DeepSeek-V4-Flash), sm_90a. Generated; do not edit.
-// spec sha256 72159cda4bfa25c9caad38d1e2773ad1861b0446c75627f96ee36ff67268528e
+// spec sha256 0047331ced23d95ccf8780656da465766095db62c5df286b2abd9ea8619c14a5
 //
 // E=256 routed experts, top-6, H=4096, I=2048, shared expert I=2048.
 // Routing: sqrt_softplus over 256 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x1.5.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 50331648 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 1024 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -1839,6 +1839,780 @@ MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restri
   }
 }
 
+// ---- prefill: a grouped GEMM on Hopper's warpgroup tensor cores (wgmma, sm_90a) ----
+// Y[p, n] = sum_k X[tok[p], k] * W[e, n, k] for the token rows p of expert e, in the permuted
+// order (rows grouped by expert). A block computes BM token rows x BN weight rows of one
+// expert: A (BM x 64 K, gathered from X through tok) and B (BN x 64 K, from W[e]) are K-major
+// in shared memory with the 128-byte swizzle wgmma reads, in a STAGES-deep cp.async ring; each
+// warpgroup multiplies its 64 token rows by the block's BN weight rows (wgmma m64nBNk16, fp32
+// accumulators in registers). Results in bf16. Each output element is one fixed sequence of
+// wgmma k-steps: the same bits whatever the other tokens of the batch.
+// tiles: [blocks.y][3] int32, (expert, first permuted row, rows in the tile <= BM).
+namespace gg {
+// Byte offset of 16-byte chunk c (0..7) of row r in a [rows][64] bf16 tile, 128-byte swizzle:
+// the chunk index XOR the row within its 8-row group.
+MOE_DEVICE u32 swz128(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+// wgmma matrix descriptor of a K-major tile at shared address `addr` (1024-byte aligned tile;
+// a k-step adds 32 bytes): 128-byte swizzle, 8-row groups 1024 bytes apart.
+MOE_DEVICE unsigned long long smem_desc(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+MOE_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+MOE_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+MOE_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+MOE_DEVICE void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across wgmma issue and wait.
+template <int R>
+MOE_DEVICE void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d (64 x 128 fp32, this thread's 64) = A (64 x 16) * B (16 x 128) + (accumulate ? d : 0)
+MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+}  // namespace gg
+
+
+// ---- prefill gate/up from the decode path's packed weights (no second copy) ----
+// H[p, i] = act(X'[tok[p]] . Wg[e, i], X'[tok[p]] . Wu[e, i]) for the token rows p of expert e.
+// The weights are the GEMV tiles (moegen.weights.pack_tiles: a lane's 16 bytes are its m16n8k16
+// A fragment) and go to the tensor cores as wgmma's register operand A: warp w of the block
+// owns one 16-row tile, its fragments copied into a shared-memory ring and read back by the
+// same lane. X' is X with K permuted inside each 32-wide chunk as the tiles permute it
+// (moegen.prefill.permute_k), so the tokens' B tiles are plain K-major rows, gathered through
+// tok as above. Gate and up of a row are in the same thread: the activation is applied in
+// registers and H written in bf16.
+namespace gg {
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 128, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+// d += A (this warp's 16 rows x 32 K of e4m3 codes, registers) * B (32 x 128 e4m3 codes, desc b): QGMMA
+MOE_DEVICE void wgmma_e4m3_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 64, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[32], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, { %32, %33, %34, %35 }, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+// d += A (this warp's 16 rows x 32 K of e4m3 codes, registers) * B (32 x 64 e4m3 codes, desc b): QGMMA
+MOE_DEVICE void wgmma_e4m3_ra(float (&d)[32], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, { %32, %33, %34, %35 }, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
+// A lane's packed 16-byte FP8 fragment of a 16 x 32 chunk (moegen.weights.pack_fp8: word 0 holds
+// rows g, g + 8 of columns 8t, 8t + 1 as bytes (g, c0), (g + 8, c0), (g, c1), (g + 8, c1); word 1
+// columns 8t + 2, 8t + 3; words 2, 3 columns 8t + 4 .. 8t + 7) as its e4m3 wgmma A fragment
+// (registers: row g k 4t..4t+3, row g + 8 the same, row g k 16+4t.., row g + 8 the same): logical k
+// 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b (moegen.prefill.A8_ORDER; the activations'
+// codes are stored in that order).
+MOE_DEVICE uint4 e4m3_frag(uint4 q) {
+  return make_uint4(prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u), prmt(q.z, q.w, 0x6420u), prmt(q.z, q.w, 0x7531u));
+}
+// FP4 (F4) row scales of one chunk as bf16 pairs: (row g's in both halves, row g + 8's in both),
+// from their bytes (MX: E8M0 2^(b - 127), 0: 2^-127, a bf16 subnormal; NV: e4m3), exactly
+template <int F4>
+MOE_DEVICE uint2 fp4_scales(u32 lo, u32 hi) {
+  if constexpr (F4 == MOE_W_NVFP4) {
+    const u32 two = e4m3x4_to_bf16x4(lo | hi << 16).x;  // (row g, row g + 8)
+    return make_uint2(prmt(two, 0u, 0x1010u), prmt(two, 0u, 0x3232u));
+  } else {
+    auto bits = [](u32 b) -> u32 { return b == 0 ? 0x0040u : b == 255 ? 0x7FC0u : b << 7; };
+    return make_uint2(bits(lo) * 0x00010001u, bits(hi) * 0x00010001u);
+  }
+}
+// An A fragment's rows times their scales (x, z: row g; y, w: row g + 8), in bf16, exactly
+MOE_DEVICE uint4 scale_rows(uint4 k, uint2 sp) {
+  return make_uint4(mul_bf16x2(k.x, sp.x), mul_bf16x2(k.y, sp.y), mul_bf16x2(k.z, sp.x), mul_bf16x2(k.w, sp.y));
+}
+MOE_DEVICE uint4 lds128(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+// Block b's (weight row block, tile) of the GEMM's rbs x tiles blocks: consecutive blocks take G
+// row blocks of one tile, then the same row blocks of the next tile, so that a wave of SMS
+// blocks covers about one expert's tiles (G = SMS / the tiles an expert has on average: the most
+// tiles the routing makes is its tokens' tiles + one per expert). An expert's weight rows then
+// leave memory about once, and the tokens' rows are read once per G row blocks (the
+// row-block-fastest order read every weight row once per wave: ~14x Mixtral's weights at
+// N = 8192). Only which block computes a tile changes, never how.
+MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
+  const int per_expert = max(1, tiles / experts - 1);
+  const int g = min(rbs, max(1, 132 / per_expert));
+  const int grp = b / (g * tiles), first = grp * g, size = min(g, rbs - first), rem = b - grp * g * tiles;
+  return make_int2(first + rem % size, rem / size);
+}
+// The first warp unit (16-row tile, or row group) of row block rb of `warps` units: where the
+// units are not whole blocks of them, the last block overlaps the one before it (GPT-OSS's 90 row
+// groups in blocks of 4), its rows computed twice the same way and the same bits stored twice.
+MOE_DEVICE int row_unit(int rb, int warps, int units) {
+  return units % warps ? min(rb * warps, units - warps) : rb * warps;
+}
+}  // namespace gg
+
+// SiLU(g) * u in the gate/up epilogue (or GPT-OSS's clamped SwiGLU, (u + 1) g sigmoid(alpha g)),
+// CLAMP with the layer's limit as activate() has it (gate from above, up both ways; DeepSeek-V4,
+// GPT-OSS): expf, then div.approx (at most 2 ulp in fp32, before the rounding to bf16; g / inf = -0
+// as the IEEE division gives). The IEEE division's slow path, inlined at each of the epilogue's
+// sites (64 at BN 128), doubled ptxas's time for the kernel (0.83 s against 0.50 s).
+template <bool CLAMP>
+MOE_DEVICE float silu_mul(float g, float u) {
+  static_assert(ActRule::KIND == MOE_ACT_SILU || ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED,
+                "the prefill epilogue: SiLU or clamped SwiGLU");
+  if (CLAMP && ActRule::LIMIT > 0.0f) {
+    g = fminf(g, ActRule::LIMIT);
+    u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
+  }
+  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
+  return __fdividef(g, 1.0f + expf(-g)) * u;
+}
+
+// A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
+// (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
+// each column at its permuted place (PERM; otherwise H in column order, for the FP8
+// quantization). Otherwise Y bf16 [P][n_out] from accumulator set m: lanes 4 apart (rows r, r + 1
+// of the same tokens n, n + 1) swap one value, so that each writes two adjacent columns of one
+// token (the even row token n's, the odd row token n + 1's). CLAMP: the activation with the layer's
+// limit (the routed experts'; the shared expert's where ActRule::SHARED_LIMIT). WOI (GATED, the
+// routed experts' with the routing weight on the input, Llama-4): gate and up of row p times its
+// (token, choice)'s weight wrow[p] before the activation, as the GEMV kernels scale them. BIAS (the
+// expert's biases, GPT-OSS; b0 and b1 this expert's, by weight row): GATED, gate + b0[i] and up +
+// b1[i] before the activation; otherwise Y + b0[i].
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false, bool BIAS = false>
+MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
+                              void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr,
+                              const float* __restrict__ b0 = nullptr, const float* __restrict__ b1 = nullptr) {
+#pragma unroll
+  for (int j = 0; j < BN / 2; j += 2) {
+    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
+    const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
+    if (GATED) {  // column i of H at its permuted place: col = 8t + 4s + 2q + jj -> 16s + 8q + 2t + jj
+      const int c = i & 31;
+      const int at = PERM ? (i & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) + (c & 1) : i;
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        if (n + t < rows && i < n_out) {
+          const float wt = WOI ? wrow[row0 + n + t] : 1.0f;
+          const float g = BIAS ? acc[0][j + t] + b0[i] : acc[0][j + t];
+          const float u = BIAS ? acc[NACC - 1][j + t] + b1[i] : acc[NACC - 1][j + t];
+          static_cast<bf16_t*>(out)[(size_t)(row0 + n + t) * n_out + at] =
+              f32_to_bf16(silu_mul<CLAMP>(WOI ? g * wt : g, WOI ? u * wt : u));
+        }
+    } else {
+      const bool odd = (lane >> 2) & 1;
+      const float bi = BIAS && i < n_out ? b0[i] : 0.0f;  // (both values are weight row i's)
+      const float a0 = BIAS ? acc[m][j] + bi : acc[m][j], a1 = BIAS ? acc[m][j + 1] + bi : acc[m][j + 1];
+      const float v = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+      const u32 word = odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
+      const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i;
+      if (t < rows && col < n_out)
+        *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out + col) = word;
+    }
+  }
+}
+
+namespace gg {
+MOE_DEVICE void mbar_arrive(u32 addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
+MOE_DEVICE float2 lds64f(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+// The barrier's phase also waits for `bytes` more of transactions (no arrival).
+MOE_DEVICE void mbar_expect_tx(u32 addr, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
+}
+// Arrives on the barrier once every cp.async this thread issued before has landed.
+MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(addr) : "memory");
+}
+}  // namespace gg
+
+// One block: WARPS consumer warps (two warpgroups, a 16-row weight tile each warp) x BN token
+// rows of one expert, and a producer warpgroup that fills an S-stage ring by cp.async, each stage
+// announced by a `full` barrier (the producers' copies landed) and released by an `empty` one
+// (every consumer thread arrives once its warpgroup's wgmmas on the stage completed, its own
+// fragment reads before them; one arrival a warpgroup left racecheck without the order of the
+// other threads' reads). The consumer warpgroups run on their own:
+// one's wgmma overlaps the other's waits. Registers move from the producers to the consumers
+// (setmaxnreg).
+// GATED (gate/up): w is [E][row_tiles][K/32][2 (gate, up)][2 k-steps][32 lanes] 16-byte fragments,
+// the tile's rows X'[tok[row0 + r]] (GATHER false: X'[row0 + r], the shared expert's);
+// out is H' bf16 [P][n_out] (n_out = I), each row's I permuted in 32-wide chunks as permute_k
+// does, ready to be the down GEMM's X'. Otherwise (down): w is the interleaved GEMV layout
+// [E][row_tiles / MATS][K/32][MATS][2][32]; out is Y bf16 [P][n_out] (n_out = H).
+// FP8 (block-scaled e4m3 weights, bf16 activations): w holds one 16-byte fragment per lane, matrix
+// and chunk (both k-steps' codes: [..][K/32][MATS][32]), which become the two bf16 A fragments
+// exactly in registers (e4m3x16_to_bf16; the same K order as BF16's, so X' is the same); sc are the
+// fp32 scales of the 128 x 128 blocks, [matrix][E][n_out/128][K/128]. Each 128-wide K block's
+// products go to their own accumulators (two k-tiles), which are then added to the sums times
+// the block's scale in fp32, as the reference scales each block: a warpgroup's 64 rows share one.
+// A8 (FP8 activations too, DeepSeek's recipe): xp holds e4m3 codes [rows][K] in A8_ORDER and xs
+// their fp32 scales [rows][K/128] (one per token and 128 channels); the A fragments are the packed
+// codes regrouped by byte (e4m3_frag) and the tensor cores multiply codes by codes (wgmma k32
+// e4m3, QGMMA). A k-tile is 128 wide, one K block: its products, times the weight block's scale
+// and each token's scale, are added to the sums in fp32. GATED then writes H in column order
+// (the quantization kernel reads it, as the reference quantizes the bf16 activation).
+// PAIR (down, MATS 2): each warp takes a whole row group, its two 16-row tiles as gate/up's two
+// matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
+// each token row B tile read.
+// BULK (gate/up or PAIR): each warp's A run of a k-tile (A_WARP bytes, contiguous in the packed
+// layout: BF16 and A8 4 KB, FP8 weight-only 2 KB, FP4 1 KB) by one bulk copy of the copy engine,
+// instead of A_WARP / 16 cp.async of the producers.
+// F4 (MOE_W_MXFP4 or MOE_W_NVFP4; gate/up or PAIR, BULK): e2m1 codes, a lane's 16 bytes of a chunk
+// holding both matrices' (moegen.weights.pack_fp4), and per-row scales (MX: E8M0 per 32 K; NV: e4m3
+// per 16 K, times each matrix's fp32 scale_2) in sc as the GEMV kernels read them: per 16-row tile
+// (PAIR: row group) a record [K/32][2 matrices][MX 16 | NV 2 x 16 rows] bytes, NV then the two
+// scale_2 in 16 bytes. Hopper's tensor cores take no FP4: each code times its row's scale becomes
+// a bf16 A fragment exactly (e2m1 x E8M0 is a power-of-two multiple, e2m1 x e4m3 has at most 6
+// significant bits; MX scales up to 2^125, which the packer checks), and the products run as
+// BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
+// k-tile's scales of every warp into the stage beside the codes.
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false>
+MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
+                             const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
+                             int row_tiles, int experts, int n, int topk, int extra,
+                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
+                             const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
+                             const float* __restrict__ bias1 = nullptr) {
+  static_assert(!WOI || (GATED && GATHER), "WOI: the routed experts' gate/up GEMM");
+  static_assert(!BIAS || (GATHER || !GATED), "BIAS: the routed experts' GEMMs (bias0, bias1: [E][n_out] fp32)");
+  static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
+  static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
+  static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
+  static_assert(F4 == 0 || ((F4 == MOE_W_MXFP4 || F4 == MOE_W_NVFP4) && BULK && !FP8 && !PT8),
+                "FP4 weights: MX or NV, runs of two matrices by bulk copies");
+  // PT8 (FP8 per-tensor weights, the routed experts'): e4m3 codes as FP8 block's (C8: the same
+  // copies and fragments), the products summed as BF16's over all of K and times the matrix's
+  // weight_scale * input_scale at the end (sc: [E][MATS][2]; down [E][1][2]); the token rows
+  // already quantized by that input scale (prefill_quant_tile_body), read in row order (GATHER false)
+  static_assert(!PT8 || (!FP8 && !WOI && !BIAS && !GATHER), "PT8: FP8 per-tensor routed experts, rows in order");
+  constexpr bool C8 = FP8 || PT8;
+  // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
+  // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
+  constexpr bool TWO = GATED || PAIR;
+  // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
+  constexpr int BN = BNT, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
+  constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
+  static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
+  constexpr int PT = 128;  // producer threads
+  // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
+  // two chunks a k-tile, or with A8 four
+  constexpr int UNITS = (TWO ? 8 : 4) / (C8 && !A8 ? 2 : F4 ? 4 : 1);
+  // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned); F4 with
+  // each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
+  constexpr int SCC = F4 == MOE_W_NVFP4 ? 64 : 32, SCW = 2 * SCC;
+  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 || F4 ? 1024 : 0;
+  static_assert(!F4 || 256 / 32 * SCW <= SC_BYTES, "FP4: every warp's scales in the stage");
+  constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
+  constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
+  static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
+                (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
+  constexpr size_t ROW_BYTES_PER_K = A8 ? 1 : 2;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
+  const u32 base = (raw + 1023u) & ~1023u;
+  unsigned char* sbase = smem_raw + (base - raw);
+  const u32 full = base + S * STAGE, empty = full + S * 8;  // S barriers each, 8 bytes a barrier
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s * 8, PT);
+      mbar_init(empty + s * 8, CONSUMERS);  // every consumer thread, after its own reads of the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int kc = k_dim / 32, ktiles = k_dim / BK, kblocks = k_dim / 128;
+  const size_t REC = (size_t)kc * SCC + (F4 == MOE_W_NVFP4 ? 16 : 0);  // F4: bytes of a tile's scale record
+  // The grid's blocks take the GEMM's blocks (row block, tile) in turn: one each with a grid of
+  // them all, several with a persistent grid (one block a multiprocessor), the ring and its
+  // barriers running on across them (gk counts this block's k-tiles), so that the producers fill
+  // the next block's first stages while the consumers finish and store the last one's.
+  // a warp's unit of rows: a 16-row tile, or (PAIR) a row group of two
+  const int wtiles = PAIR ? row_tiles / 2 : row_tiles;
+  const int rbs = (wtiles + WARPS - 1) / WARPS, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
+
+  if (tid >= CONSUMERS) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int p = tid - CONSUMERS, pu = p >> 5, pl = p & 31;
+    int gk = 0;
+    for (int b = b0; b < blocks; b += grid) {
+      const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
+      const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+      if (rows <= 0) continue;  // past the routing's tiles
+      const unsigned char* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
+      bool alive[BJ];
+#pragma unroll
+      for (int j = 0; j < BJ; ++j) {
+        const int r = (p + j * PT) >> 3;
+        alive[j] = r < rows;
+        bsrc[j] = static_cast<const unsigned char*>(xp) +
+                  (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim * ROW_BYTES_PER_K + (p & 7) * 16;
+      }
+      // A8: producer thread p < BN copies token row p's scale of each K block (rows past the tile: zero)
+      const float* ssrc = xs;
+      const bool salive = A8 && p < rows && p < BN;
+      if (A8 && salive) ssrc = xs + (size_t)(GATHER ? tok[row0 + p] : row0 + p) * kblocks;
+      // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS,
+      // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
+      // moves by a fixed stride per k-tile, so every address is a base plus constants.
+      static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
+      const size_t wstride = TWO ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
+      const int wu = gg::row_unit(blk.x, WARPS, wtiles);  // the block's first warp unit
+      const uint4* abase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 128 + pu * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 64 +
+                                       ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
+      const u32 adst = B_BYTES + pu * 512 + pl * 16;
+      // BULK: producer warp pu's first warp run (warp pu's 16-row tile or row group, RUN uint4 over K)
+      constexpr int AK = A_WARP / 16;  // uint4 of a warp's run of one k-tile
+      const size_t RUN = (size_t)ktiles * AK;
+      const uint4* arun = w + ((size_t)e * wtiles + wu + pu) * RUN;
+      // F4: producer thread p < WARPS * SCW / 16 copies 16 bytes of warp p / (SCW / 16)'s scales of
+      // each k-tile: its tile's (row group's) record, REC bytes, SCW of them a k-tile
+      constexpr int SCT = WARPS * SCW / 16;
+      const unsigned char* fsrc = reinterpret_cast<const unsigned char*>(sc) +
+                                  ((size_t)e * wtiles + wu + p / (SCW / 16)) * REC + (p % (SCW / 16)) * 16;
+      // FP8, a chunk's fragments of a tile (gated: 64, gate's lanes then up's) or a row group (MATS
+      // x 32), a fragment per lane and matrix. Gated: lane-unit j is warp j, unit pu = (chunk pu / 2,
+      // matrix pu % 2); down: warp 2j + pu / 2, chunk pu % 2 (its row group (warp / MATS), tile warp % MATS).
+      const uint4* fbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 +
+                                       (pu % 2) * MATS * 32 + pl;
+      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + pl
+                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
+      for (int kt = 0; kt < ktiles; ++kt, ++gk) {
+        const int s = gk % S;
+        if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
+        unsigned char* st = sbase + s * STAGE;
+#pragma unroll
+        for (int j = 0; j < BJ; ++j)
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * 128, alive[j]);
+        if constexpr (BULK) {  // lane 0 of producer warp pu: the runs of warps pu, pu + 4, ...
+          if (p == 0) gg::mbar_expect_tx(full + s * 8, WARPS * A_WARP);
+          if (pl == 0) {
+#pragma unroll
+            for (int j = 0; j < WARPS / 4; ++j)
+              bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
+                            arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * 8);
+          }
+          if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+          if (F4 && p < SCT) cp_async16(st + B_BYTES + WARPS * A_WARP + p * 16, fsrc + (size_t)kt * SCW, true);
+        } else if constexpr (A8) {
+          // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
+          // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
+          // chunk pu (its row group's run: [K/32][MATS][32])
+#pragma unroll
+          for (int j = 0; j < AJ; ++j) {
+            const int wq = TWO ? j >> 1 : j, u = TWO ? pu + 4 * (j & 1) : pu;
+            const uint4* a = TWO ? qbase + (size_t)wq * kc * 64 + (size_t)kt * 256 + u * 32
+                                   : qbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 +
+                                         ((size_t)kt * 4 + u) * MATS * 32;
+            cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
+          }
+          if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+        } else if constexpr (C8) {
+#pragma unroll
+          for (int j = 0; j < AJ; ++j) {
+            const int wq = TWO ? j : 2 * j + (pu >> 1);  // the warp whose fragment this is
+            const uint4* a = TWO ? fbase + (size_t)j * kc * 64 + (size_t)kt * 128
+                                   : fbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 + (size_t)kt * MATS * 64;
+            cp_async16(st + B_BYTES + wq * A_WARP + (TWO ? pu : (pu & 1)) * 512 + pl * 16, a, true);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < AJ; ++j) {
+            const uint4* a = TWO ? abase + (j >> 1) * wstride + (j & 1) * 128 + (size_t)kt * 256
+                                   : abase + (j / MATS) * wstride + (j % MATS) * 64 + (size_t)kt * MATS * 128;
+            cp_async16(st + (TWO ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
+          }
+        }
+        gg::cp_async_mbar_arrive(full + s * 8);
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // (one consumer warpgroup: 240, the most a thread takes; two: 224, 2 x 128 x 224 + 128 x 56 of
+  // the multiprocessor's 64K)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  const int warp = tid >> 5, lane = tid & 31;
+  const u32 adst = B_BYTES + warp * A_WARP + lane * 16;
+  float acc[NACC][BN / 2];  // each block's first wgmma overwrites them
+#pragma unroll
+  for (int a = 0; a < NACC; ++a)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
+  // Two sets of A registers: k-tile g + 1's fragments load while k-tile g's wgmmas run.
+  auto frags = [&](uint4 (&af)[NACC][4], int g) {
+    mbar_wait(full + (g % S) * 8, (g / S) & 1);
+    gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
+    const u32 st = base + (u32)((g % S) * STAGE);
+    if constexpr (A8) {  // four chunks' codes, each one e4m3 fragment
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512));
+    } else if constexpr (C8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int a = 0; a < NACC; ++a)
+          e4m3x16_to_bf16(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512), af[a][2 * c], af[a][2 * c + 1]);
+    } else if constexpr (F4) {  // a chunk's codes of both matrices, times rows g's and g + 8's scales
+      const u32 scs = st + B_BYTES + WARPS * A_WARP + warp * SCW + (lane & 3) / 2 * (F4 == MOE_W_NVFP4 ? 16 : 0) + lane / 4;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint4 q = gg::lds128(st + adst + c * 512);  // matrix 0's k-steps in x, y; matrix 1's in z, w
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+          const u32 at = scs + c * SCC + a * (SCC / 2);  // (MX [c][a][16 rows]; NV [c][a][2 blocks][16 rows])
+          const uint2 sp = gg::fp4_scales<F4>(lds_u8(at), lds_u8(at + 8));
+          af[a][2 * c] = gg::scale_rows(e2m1x8_to_bf16x8(a ? q.z : q.x), sp);
+          af[a][2 * c + 1] = gg::scale_rows(e2m1x8_to_bf16x8(a ? q.w : q.y), sp);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
+#pragma unroll
+        for (int a = 0; a < NACC; ++a)
+          af[a][kk] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+    }
+  };
+  // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
+  // released (within the block: the last stage is released after the block's last group) and
+  // the next k-tile's fragments loaded
+  // FP8: the current 128-wide K block's products (each block's first wgmma overwrites them), and
+  // the block scales of this warpgroup's rows: [matrix][E][n_out / 128][K / 128]
+  constexpr int TACC = FP8 ? BN / 2 : 1;
+  float tmp[NACC][TACC];
+  const float* scw = nullptr;
+  float scv[NACC];
+  auto step = [&](int kt, int g, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
+    const u32 st = base + (u32)((g % S) * STAGE);
+    // the group's accumulators: the sums, or (FP8) the K block's own
+    auto& d = [&]() -> float(&)[NACC][BN / 2] {
+      if constexpr (FP8) return tmp; else return acc;
+    }();
+    const bool kb_first = kt % KBT == 0;  // the K block's first k-tile (FP8: its accumulators start)
+    if (FP8 && kb_first) {  // this K block's scales, read while its k-tiles run
+#pragma unroll
+      for (int a = 0; a < NACC; ++a)
+        scv[a] = __ldg(scw + (PAIR ? 0 : (size_t)a * experts * (n_out / 128) * (k_dim / 128)) + kt / KBT);
+    }
+    gg::wg_fence();
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned long long bd = gg::smem_desc(st + kk * 32);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) {
+        if constexpr (A8) gg::wgmma_e4m3_ra(d[a], cur[a][kk], bd, kk > 0);
+        else gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? !kb_first : kt > 0) || kk > 0);
+      }
+    }
+    gg::wg_commit();
+    gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
+    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+    // the next k-tile's fragments while this group runs (A8 gate/up: after the promotion, when the
+    // group's A registers are free: both sets beside the group's and the sums' accumulators spilled)
+    constexpr bool LATE = A8 && NACC == 2;
+    if (!LATE && kt + 1 < ktiles) frags(nxt, g + 1);
+    if constexpr (FP8) {
+      if (kt % KBT == KBT - 1) {  // the K block's last k-tile: its products, scaled, into the sums
+        gg::wg_wait<0>();
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
+        if constexpr (A8) {  // accumulators 4q .. 4q + 3: tokens 8q + 2 (lane % 4) (even) and + 1 (odd),
+                             // their scales from the stage (released at the next step)
+#pragma unroll
+          for (int q = 0; q < BN / 8; ++q) {
+            const float2 v = gg::lds64f(st + B_BYTES + WARPS * A_WARP + (q * 8 + 2 * (lane & 3)) * 4);
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+              const float f0 = scv[a] * v.x, f1 = scv[a] * v.y;
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                acc[a][4 * q + r] = (kt == 0 ? 0.0f : acc[a][4 * q + r]) + ((r & 1) ? f1 : f0) * tmp[a][4 * q + r];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int a = 0; a < NACC; ++a)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == KBT - 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
+        }
+      }
+    }
+    if (LATE && kt + 1 < ktiles) frags(nxt, g + 1);
+  };
+  int gk = 0;
+  for (int b = b0; b < blocks; b += grid) {
+    const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
+    const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+    if (rows <= 0) continue;
+    const int it = gg::row_unit(blk.x, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
+      scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
+    uint4 af0[NACC][4], af1[NACC][4];
+    frags(af0, gk);
+    for (int kt = 0; kt < ktiles; kt += 2) {
+      step(kt, gk + kt, af0, af1);
+      if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+    }
+    gg::wg_wait<0>();
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+    gk += ktiles;
+    gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
+    if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
+      const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
+                                                       ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * REC - 16);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) {
+        const float f = __ldg(s2 + a);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
+      }
+    }
+    if constexpr (PT8) {  // the matrices' weight_scale * input_scale, the tile's expert's
+      const float* m = sc + (size_t)tiles[blk.y * 3] * (GATED ? 4 : 2);
+#pragma unroll
+      for (int a = 0; a < NACC; ++a) {
+        const float f = __ldg(m + (GATED ? 2 * a : 0)) * __ldg(m + (GATED ? 2 * a : 0) + 1);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[a][i] *= f;
+      }
+    }
+    // BIAS: this tile's expert's biases
+    const float* eb0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    const float* eb1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    if constexpr (PAIR) {  // the group's two tiles
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, eb0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr,
+                                                            eb0);
+    } else {
+      // (GATHER false: the shared expert's rows, every token in order)
+      prefill_store<GATED, NACC, BN, !A8, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
+                                                                                       out, 0, wrow, eb0, eb1);
+    }
+  }
+}
+
+
+// ---- prefill token grouping (a stable counting sort by expert) and the weighted combine ----
+// Entries i = t * top_k + j of the routing ids [n][top_k], in chunks of 1024 (one block each).
+// Routed experts only: an id >= E (a zero expert) gets no row; the combine adds its weight * x.
+// 1. per chunk, how many entries each expert has: counts[chunk][E]
+MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int experts, int* __restrict__ counts) {
+  __shared__ int cnt[512];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  const int i = blockIdx.x * 1024 + threadIdx.x;
+  if (i < entries && ids[i] < experts) atomicAdd(&cnt[ids[i]], 1);  // integer counts: any order, one result
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[(size_t)blockIdx.x * experts + e] = cnt[e];
+}
+// 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
+//    expert's first row (in expert order), and the tile table: (expert, first row, rows) per
+//    tile of bm rows, then (0, 0, 0) up to max_tiles so that the GEMMs' extra blocks return.
+// With a shared expert, also its tile table over all n tokens in order: (0, first row, rows),
+// shared_max entries (the rows <= 0 past n).
+MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
+                                  int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
+                                  int* __restrict__ shared_tiles = nullptr, int shared_max = 0, int shared_bm = 0) {
+  const int sbm = shared_bm ? shared_bm : bm;  // (the shared expert's tile, where its format's differs)
+  for (int t = threadIdx.x; t < shared_max; t += blockDim.x) {
+    shared_tiles[(size_t)t * 3] = 0;
+    shared_tiles[(size_t)t * 3 + 1] = t * sbm;
+    shared_tiles[(size_t)t * 3 + 2] = min(sbm, n_shared - t * sbm);
+  }
+  __shared__ int total[512], ntile[512];
+  __shared__ int tiles_used;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int v = counts[(size_t)c * experts + e];
+      counts[(size_t)c * experts + e] = run;
+      run += v;
+    }
+    total[e] = run;
+    ntile[e] = (run + bm - 1) / bm;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // E <= 512: a serial scan of a few microseconds
+    int row = 0, tile = 0;
+    for (int e = 0; e < experts; ++e) {
+      first[e] = row;
+      const int t0 = tile;
+      row += total[e];
+      tile += ntile[e];
+      ntile[e] = t0;  // now the expert's first tile
+    }
+    first[experts] = row;
+    tiles_used = tile;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    for (int r = 0; r * bm < total[e]; ++r) {
+      int* t = tiles + (size_t)(ntile[e] + r) * 3;
+      t[0] = e;
+      t[1] = first[e] + r * bm;
+      t[2] = min(bm, total[e] - r * bm);
+    }
+  }
+  for (int t = tiles_used + threadIdx.x; t < max_tiles; t += blockDim.x) {
+    tiles[(size_t)t * 3] = 0;
+    tiles[(size_t)t * 3 + 1] = 0;
+    tiles[(size_t)t * 3 + 2] = 0;
+  }
+}
+// 3. each entry's row: its expert's first row, + its expert's entries in earlier chunks, in
+//    earlier warps of its chunk, in earlier lanes of its warp. tok[row] = its token, slot[entry] =
+//    row (-1 for a zero expert).
+// WOI: each row's routing weight too (wrow[row] = wts[entry]), for the gate/up epilogue.
+template <bool WOI = false>
+MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int experts, int top_k,
+                                   const int* __restrict__ counts, const int* __restrict__ first,
+                                   int* __restrict__ tok, int* __restrict__ slot,
+                                   const float* __restrict__ wts = nullptr, float* __restrict__ wrow = nullptr) {
+  __shared__ unsigned short wcnt[32][512];
+  for (int k = threadIdx.x; k < 32 * experts; k += blockDim.x) wcnt[k / experts][k % experts] = 0;
+  __syncthreads();
+  const int i = blockIdx.x * 1024 + threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = i < entries ? ids[i] : -1;
+  const bool routed = e >= 0 && e < experts;
+  const unsigned same = __match_any_sync(0xffffffffu, routed ? e : -1);
+  const int before_lane = __popc(same & ((1u << lane) - 1u));
+  if (routed && before_lane == 0) wcnt[warp][e] = (unsigned short)__popc(same);
+  __syncthreads();
+  if (i < entries) {
+    if (!routed) {
+      slot[i] = -1;
+      return;
+    }
+    int row = first[e] + counts[(size_t)blockIdx.x * experts + e] + before_lane;
+    for (int w = 0; w < warp; ++w) row += wcnt[w][e];
+    tok[row] = i / top_k;
+    slot[i] = row;
+    if (WOI) wrow[row] = wts[i];
+  }
+}
+// out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
+// then + gate[t] * YS[t, c] with a shared expert (gate null: 1); Y, YS and out bf16. Four columns
+// c .. c + 3 of token t a thread. WOI: the routed experts' weights are in Y already (1 here).
+MOE_DEVICE void fma_bf16x4(float (&s)[4], float w, const bf16_t* __restrict__ p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  s[0] = fmaf(w, bf16_to_f32((bf16_t)(v.x & 0xffffu)), s[0]);
+  s[1] = fmaf(w, bf16_to_f32((bf16_t)(v.x >> 16)), s[1]);
+  s[2] = fmaf(w, bf16_to_f32((bf16_t)(v.y & 0xffffu)), s[2]);
+  s[3] = fmaf(w, bf16_to_f32((bf16_t)(v.y >> 16)), s[3]);
+}
+template <bool WOI = false>
+MOE_DEVICE void prefill_combine_body(const bf16_t* __restrict__ y, const int* __restrict__ slot,
+                                     const float* __restrict__ wts, const bf16_t* __restrict__ x,
+                                     bf16_t* __restrict__ out, int hidden, int top_k, int t, int c,
+                                     const bf16_t* __restrict__ ys = nullptr, const float* __restrict__ gate = nullptr) {
+  if (c >= hidden) return;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < top_k; ++j) {
+    const int row = slot[t * top_k + j];
+    fma_bf16x4(s, WOI && row >= 0 ? 1.0f : wts[t * top_k + j],
+               row >= 0 ? y + (size_t)row * hidden + c : x + (size_t)t * hidden + c);
+  }
+  if (ys) fma_bf16x4(s, gate ? gate[t] : 1.0f, ys + (size_t)t * hidden + c);
+  *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
+}
+// X' from X [n][hidden]: each 32-wide chunk in the GEMV tiles' K order (moegen.prefill.permute_k):
+// position 16s + 8q + 2t + jj holds column 8t + 4s + 2q + jj. One pair of columns (pair) of
+// token t a thread.
+MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp, int hidden, int t,
+                                     int pair) {
+  if (2 * pair >= hidden) return;
+  const int at = 2 * pair, c = at & 31, s = c >> 4, q = (c >> 3) & 1, tt = (c >> 1) & 3;
+  const int col = (at & ~31) + 8 * tt + 4 * s + 2 * q;
+  *reinterpret_cast<u32*>(xp + (size_t)t * hidden + at) = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+}
+// FP8 per-tensor weights (PT8): the rows of routed tile `tile` quantized by its expert's static input
+// scale (sc[e * stride + 1]: gate's, equal to up's, which the loader checks; down's), e4m3(v / s)
+// saturating, held in bf16 exactly: PERM, X' rows from x through tok in the packed K order (as
+// prefill_permute_body), dst [rows][k] in row order; otherwise H' rows in place. Columns 2 pair,
+// 2 pair + 1 of every row of the tile a thread.
+template <bool PERM>
+MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict__ tok, const int* __restrict__ tiles,
+                                        const float* __restrict__ sc, int stride, bf16_t* dst, int k, int tile,
+                                        int pair) {
+  const int rows = tiles[tile * 3 + 2];
+  if (2 * pair >= k || rows <= 0) return;
+  const int e = tiles[tile * 3], row0 = tiles[tile * 3 + 1], at = 2 * pair;
+  const float s = __ldg(sc + (size_t)e * stride + 1);
+  const int c = at & 31;
+  const int col = PERM ? (at & ~31) + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) : at;
+  for (int r = 0; r < rows; ++r) {
+    const int row = row0 + r;
+    const u32 v = *reinterpret_cast<const u32*>(src + (size_t)(PERM ? tok[row] : row) * k + col);
+    *reinterpret_cast<u32*>(dst + (size_t)row * k + at) = quant_e4m3x2(v, s);
+  }
+}
+// FP8 activations (A8): rows of src (bf16, in column order) as e4m3 codes in A8_ORDER, with their
+// scales [rows][k / 128]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
+// decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided; lane
+// l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
+// + 0..3 of it (logical 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b).
+MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
+                                   int k, int rows, int first_warp, int warps) {
+  const int lane = threadIdx.x & 31, kb_count = k / 128;
+  const int col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1);
+  for (int w = first_warp; w < rows * kb_count; w += warps) {
+    const int row = w / kb_count, kb = w % kb_count;
+    const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
+    const float sc = group_scale_e4m3(v);
+    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16);
+    if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
+  }
+}
+// x for the gate/up GEMMs (src2 null), or the routed activations and the shared expert's (src2).
+MOE_DEVICE void prefill_quant_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
+                                   int k, int rows, const bf16_t* __restrict__ src2 = nullptr,
+                                   unsigned char* __restrict__ q2 = nullptr, float* __restrict__ s2 = nullptr, int k2 = 0,
+                                   int rows2 = 0) {
+  const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), warps = gridDim.x * (blockDim.x >> 5);
+  prefill_quant_rows(src, q, s, k, rows, first, warps);
+  if (src2) prefill_quant_rows(src2, q2, s2, k2, rows2, first, warps);
+}
+
 // ---- the plan's invariants, re-checked by the compiler ----
 static_assert(4096 % 32 == 0, "hidden size: whole 32-wide K chunks and down row groups");
 static_assert(2048 % 32 == 0, "expert width: whole 16-row tiles and 32-wide K chunks");
@@ -1856,20 +2630,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: sqrt_softplus over 256 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x1.5; one token per warp, the last block groups the tokens by expert
+// route: sqrt_softplus over 256 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x1.5; one token per warp, the last block groups the tokens by expert up to N = 512
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_n256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<256, 256, 6, 1, 256, false, 256, 0>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_n16384_g512_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<256, 256, 6, 1, 16384, false, 256, 512>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 256 rows x 4096, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt1_n256_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 1, 4, 8, 16, 256, 256, true, 256, 6, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt1_n16384_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 1, 4, 8, 16, 256, 16384, true, 256, 6, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_mxfp4_si2048_nts1_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 1, 4, 8, 7, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -1881,9 +2655,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // router: 256 rows x 4096, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt4_n256_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 4, 4, 4, 16, 256, 256, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 4, 4, 4, 16, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
@@ -1920,5 +2694,77 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_n
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_nt2_mxfp4_si2048_nts4_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<64, 64, 2, 4, 4, 7, 3, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+#endif
+// gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt3_mxfp4_si2048_nts4_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
+  gate_up_body<128, 3, 4, 4, 5, 3, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
+}
+#endif
+// down: expert slots x 256 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_nt3_mxfp4_si2048_nts4_fp8_block_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
+  down_body<64, 64, 3, 4, 4, 5, 3, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
+}
+#endif
+// router: 256 rows x 4096, K split 1 ways, 32 tokens per pass
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 4, 4, 4, 1, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+#endif
+// prefill: X' (each 32-wide K chunk in the packed tiles' order)
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h4096_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
+  prefill_permute_body(x, xp, 4096, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
+}
+#endif
+// prefill: entries per expert in each chunk of 1024 (token, choice) entries
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e256_k6_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
+  prefill_count_body(ids, n * 6, 256, counts);
+}
+#endif
+// prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k6_r128_n16384_shared_r64_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
+  prefill_scan_body(counts, (n * 6 + 1023) / 1024, 256, 128, 1024, first, tiles, n, stiles, 256, 64);
+}
+#endif
+// prefill: each (token, choice) entry's row, grouped by expert in a stable order
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k6_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
+  prefill_place_body(ids, n * 6, 256, 6, counts, first, tok, slot);
+}
+#endif
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e256_k6_h4096_i2048_bm128_bn128_s4_ws_bulk_mxfp4_silu_gated_l10_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13) {
+  prefill_gemm<true, 2, true, false, false, false, true, MOE_W_MXFP4>(xp, tok, w13, tiles, h, 2048, 4096, 128, 256, n, 6, 256, s13);
+}
+#endif
+// prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e256_k6_h4096_i2048_bm128_bn128_s4_ws_pair_bulk_m2_mxfp4_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2) {
+  prefill_gemm<false, 2, false, false, false, true, true, MOE_W_MXFP4>(hp, nullptr, w2, tiles, y, 4096, 2048, 256, 256, n, 6, 256, s2);
+}
+#endif
+// prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h4096_i2048_bm128_bn64_s4_ws_bulk_fp8_silu_gated_l10_sm_90a(const bf16_t* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13) {
+  prefill_gemm<true, 2, false, true, false, false, true, 0, false, false, 64>(xp, nullptr, ws13, stiles, h, 2048, 4096, 128, 1, n, 1, 0, ss13);
+}
+#endif
+// prefill: the shared expert's YS = H' Wd (bf16)
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h4096_i2048_bm128_bn64_s4_ws_pair_bulk_m2_fp8_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2) {
+  prefill_gemm<false, 2, false, true, false, true, true, 0, false, false, 64>(hp, nullptr, ws2, stiles, y, 4096, 2048, 256, 1, n, 1, 0, ss2);
+}
+#endif
+// prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h4096_k6_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
+  prefill_combine_body(y, slot, wts, x, out, 4096, 6, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
 }
 #endif
