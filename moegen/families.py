@@ -279,6 +279,15 @@ class Layer:
         return self.kf_s == "fp8_block_a8" and self.si > 0
 
     @property
+    def t8_routed(self) -> bool:
+        """The routed experts' weights are FP8 per-tensor (their GEMVs read pre-quantized rows)."""
+        return self.kf_e == "fp8_tensor"
+
+    @property
+    def t8_shared(self) -> bool:
+        return self.kf_s == "fp8_tensor" and self.si > 0
+
+    @property
     def a8(self) -> bool:
         return self.a8_routed or self.a8_shared
 
@@ -510,13 +519,16 @@ def gate_up_kernel(c: Layer, nt: int, nts: int, wave: int = 0) -> Kernel:
             ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
             ("bf16_t* __restrict__ act", "act", "ws.act"), ("bf16_t* __restrict__ act_s", "act_s", "ws.act_s"),
             ("int n", "n", "n"))
-    a8 = c.a8
-    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias or a8 else ()
-    if c.bias or a8:  # (positional: FP8 activations' pointers come after these, null where unused)
+    a8, t8 = c.a8, c.t8_routed or c.t8_shared
+    extra: Extra = (("const float* __restrict__ slot_w", "slot_w", "ws.slot_w"),) if c.woi or c.bias or a8 or t8 else ()
+    if c.bias or a8 or t8:  # (positional: the quantized inputs' pointers come after these, null where unused)
         extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
                   ("const float* __restrict__ b_up", "b_up", "w.b_up"))
-    if a8:  # x quantized per token and 128 channels (moe_act_quant), and its scales
+    if a8 or t8:  # x quantized per token and 128 channels (moe_act_quant), and its scales
         extra += (("const bf16_t* __restrict__ xq", "xq", "ws.xq"), ("const float* __restrict__ sx", "sx", "ws.sx"))
+    if t8:  # FP8 per-tensor: x's rows quantized (moe_tensor_quant); down's scales, which quantize the activations
+        extra += (("const bf16_t* __restrict__ xt", "xt", "ws.xt"), ("const bf16_t* __restrict__ xt_s", "xt_s", "ws.xt_s"),
+                  ("const float* __restrict__ s2", "s2", "w.s2"), ("const float* __restrict__ ss2", "ss2", "w.ss2"))
     kernel = _kernel(name, "gate_up", w * 32, targs, base, extra, "gate_up_body",
                      f"gate/up + {c.act_tag}: expert slots x {c.i // 16} tiles"
                      + (f" + shared {c.si // 16} tiles" if c.si else "")
@@ -900,6 +912,32 @@ def act_quant_kernel(c: Layer, what: str) -> Kernel | None:
            ("int n", "n", "n"))
     return _kernel(name, "act_quant", QUANT_THREADS, targs, sig, (), "act_quant2_body",
                    "the activations as e4m3 codes per token and 128 channels, for the FP8 down GEMMs")
+
+
+def tensor_quant_kernel(c: Layer) -> Kernel | None:
+    """FP8 per-tensor weights (ModelOpt FP8): the rows gate/up's GEMV reads, quantized once by the
+    static input scales (the routed pairs' rows in slot order, by their experts'; the tokens' rows by
+    the shared expert's), where the routed experts or the shared expert take that format. None
+    elsewhere."""
+    routed, shared = c.t8_routed, c.t8_shared
+    if not (routed or shared):
+        return None
+    name = f"moe_tensor_quant_h{c.h}" + ("_r" if routed else "") + ("_s" if shared else "") + f"_{c.spec.arch}"
+    sig = (("const bf16_t* __restrict__ x", "x", c.x_expert), ("const float* __restrict__ s13", "s13", "w.s13"),
+           ("const float* __restrict__ ss13", "ss13", "w.ss13"),
+           ("const int* __restrict__ num_slots", "num_slots", "ws.num_slots"),
+           ("const int* __restrict__ slot_expert", "slot_expert", "ws.slot_expert"),
+           ("const int* __restrict__ slot_begin", "slot_begin", "ws.slot_begin"),
+           ("const int* __restrict__ slot_token", "slot_token", "ws.slot_token"),
+           ("bf16_t* __restrict__ xt", "xt", "ws.xt"), ("bf16_t* __restrict__ xt_s", "xt_s", "ws.xt_s"), ("int n", "n", "n"))
+    return _kernel(name, "tensor_quant", QUANT_THREADS, (str(c.h), _b(routed), _b(shared)), sig, (), "tensor_quant_body",
+                   "x quantized by the FP8 per-tensor input scales, a row per routed pair / token")
+
+
+def tensor_quant_blocks(c: Layer, tokens: int) -> int:
+    """Blocks of moe_tensor_quant for `tokens`: a warp per 256 columns of every row it may write."""
+    rows = tokens * c.k * int(c.t8_routed) + tokens * int(c.t8_shared)
+    return quant_blocks(rows * -(-c.h // 256))
 
 
 def _warps(c: Layer, mats: int, nt: int) -> int:

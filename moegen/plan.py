@@ -352,20 +352,23 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
                                     if first_pf else 0))
     buckets = tuple(_bucket(c, target, nb, add, norm_name, route_name, nf, pf) for nb in sizes)
     pf = first_pf
+    gemv_max = max((s for s in sizes if not pf or s < pf), default=1)  # the GEMV path's largest bucket
     plan = Plan(
         arch=spec.arch, hidden=c.h, experts=c.e, scored=c.e + c.z, top_k=c.k, inter=c.i, shared_inter=c.si,
         shared_gate=c.gated, rows_pad=c.rows_pad, ksplit=c.ksplit, max_tokens=c.nmax,
         slots_max=min(c.e_local, c.nmax * c.k), local_experts=c.e_local, expert_offset=c.ep_lo, ep_size=c.ep_size,
         routing_desc=_routing_desc(spec), expert_bytes=3 * c.h * c.i * 2,
-        kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, target, nf, pf > 0), prefill_from=pf,
+        kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, target, nf, pf > 0, gemv_max), prefill_from=pf,
         prefill_tiles=astuple(P.tiles(c)) if pf else (),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
         norm_rule=F.norm_rule(c), raw=_raw(c),
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
                              "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
-           if nf else {"kernel_order": ("router (+ route)", "route", "gate_up", "down + combine",
-                                         f"from {pf} tokens, after the route: permute (FP8 activations: quantize)", "count", "scan", "place",
-                                         "gate/up GEMM", "down GEMM", "combine")} if pf else {}),
+           if nf else {"kernel_order": ("router (+ route)", "route",
+                                         *(("tensor_quant (FP8 per-tensor: x's rows)",) if F.tensor_quant_kernel(c) else ()),
+                                         "gate_up", "down + combine",
+                                         *((f"from {pf} tokens, after the route: permute (FP8 activations: quantize)", "count",
+                                            "scan", "place", "gate/up GEMM", "down GEMM", "combine") if pf else ()))}),
     )
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
         plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
@@ -421,6 +424,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
         *head,
         *((Launch(add(xq), (F.quant_blocks(nb * (c.h // 128)), 1), xq.threads, pdl=True),)
           if (xq := F.act_quant_kernel(c, "x")) else ()),
+        *((Launch(add(tq), (F.tensor_quant_blocks(c, nb), 1), tq.threads, pdl=True),)
+          if (tq := F.tensor_quant_kernel(c)) else ()),
         Launch(add(gate_up := F.gate_up_kernel(c, nt_routed, nt_shared, gu_wave)), (gu_grid, 1),
                gate_up.threads, pdl=True),
         *((Launch(add(aq), (F.quant_blocks(nb * c.k * (c.i // 128) * c.a8_routed + nb * (c.si // 128) * c.a8_shared), 1), aq.threads, pdl=True),)
@@ -431,7 +436,7 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     return Bucket(nb, launches)
 
 
-def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -> tuple[Buffer, ...]:
+def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False, gemv_max: int = 0) -> tuple[Buffer, ...]:
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
@@ -473,6 +478,10 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False) -
         Buffer("sa", "float32", (nmax * k, i // 128) if a8e else (1,)),
         Buffer("actq_s", "uint16", (nmax, si) if a8s else (1,)),
         Buffer("sas", "float32", (nmax, si // 128) if a8s else (1,)),
+        # FP8 per-tensor weights: x's rows quantized by the input scales for the GEMV path (its buckets
+        # up to gemv_max tokens): a row per routed pair in slot order, a row per token for the shared expert
+        Buffer("xt", "uint16", ((gemv_max or nmax) * k, h) if c.t8_routed else (1,)),
+        Buffer("xt_s", "uint16", ((gemv_max or nmax), h) if c.t8_shared else (1,)),
         # the fused kernel's partial sums over down's K chunks (buckets up to nf tokens)
         Buffer("part", "float32", (i // 32, nf * k, h) if nf else (1,)),
         Buffer("part_s", "float32", (si // 32, nf, h) if nf and si else (1,)),

@@ -354,7 +354,7 @@ class Layer:
         codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c))
         if pw.format == "fp8_tensor":
             scales = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in ("_scale", "_input_scale")}
-            return codes, W.fp8_tensor_scales(pw, scales, one_input=self.plan.prefill_from > 0 and pw.name == "w13")
+            return codes, W.fp8_tensor_scales(pw, scales)
         scales = {f"{src}_scale_inv": whole(f"{src}_scale_inv") for src in pw.sources}
         return codes, W.fp8_scales(pw, scales)
 

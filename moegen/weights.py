@@ -212,25 +212,23 @@ def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray
     return np.ascontiguousarray(np.stack([np.asarray(scales[f"{s}_scale_inv"], np.float32) for s in pw.sources]))
 
 
-def fp8_tensor_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray], one_input: bool = False) -> np.ndarray:
+def fp8_tensor_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:
     """The scales of a packed FP8 per-tensor weight: [..., sources, 2] fp32, each source's weight
-    scale then its static input scale (the kernel multiplies the code sums by both). one_input:
-    the sources' input scales must be equal (the prefill kernels quantize a token row once for gate
-    and up, as ModelOpt's calibration of both on the same input gives)."""
+    scale then its static input scale (the kernel multiplies the code sums by both). The sources'
+    input scales must be equal (gate's and up's: the kernels quantize a token row once for both, as
+    ModelOpt's calibration of both on the same input, and its export of the fused pair, give)."""
     pairs = [np.stack([np.asarray(scales[f"{s}_scale"], np.float32), np.asarray(scales[f"{s}_input_scale"], np.float32)],
                       axis=-1) for s in pw.sources]
     for s, p in zip(pw.sources, pairs):
         if not (np.isfinite(p).all() and (p > 0).all()):
             raise WeightError(f"{s}_scale / {s}_input_scale: expected finite positive float32 values")
-    if one_input:
-        for s, p in zip(pw.sources[1:], pairs[1:]):
-            differ = np.argwhere(p[..., 1] != pairs[0][..., 1])
-            if differ.size:
-                at = tuple(int(v) for v in differ[0])
-                raise WeightError(f"{s}_input_scale{list(at)} = {float(p[..., 1][at]):.9g} differs from "
-                                  f"{pw.sources[0]}_input_scale{list(at)} = {float(pairs[0][..., 1][at]):.9g}: the "
-                                  "prefill kernels quantize a token row once for both (a spec whose max_tokens stays "
-                                  "below its first prefill bucket runs the decode kernels only, which take them apart)")
+    for s, p in zip(pw.sources[1:], pairs[1:]):
+        differ = np.argwhere(p[..., 1] != pairs[0][..., 1])
+        if differ.size:
+            at = tuple(int(v) for v in differ[0])
+            raise WeightError(f"{s}_input_scale{list(at)} = {float(p[..., 1][at]):.9g} differs from "
+                              f"{pw.sources[0]}_input_scale{list(at)} = {float(pairs[0][..., 1][at]):.9g}: the "
+                              "kernels quantize a token row once for both")
     return np.ascontiguousarray(np.stack(pairs, axis=-2))
 
 

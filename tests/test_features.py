@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from moegen.build import render_all
-from moegen.nvrtc import compile_cuda
+from moegen.nvrtc import compile_cuda, compile_parts
 from moegen.plan import make_plan
 from moegen.spec import SpecError, not_generated, parse_spec
 from moegen.weights import tensors
@@ -114,6 +114,50 @@ def test_feature_weights_are_asked_for():
     assert f8["experts.gate_proj_scale"] == ((32,), "float32")  # one weight scale per expert matrix
     assert f8["experts.down_proj_input_scale"] == ((32,), "float32")  # and one static input scale
     assert f8["shared_expert.up_proj_input_scale"] == ((), "float32")
+
+
+def test_fp8_per_tensor_gemv_reads_rows_quantized_once():
+    """FP8 per-tensor weights on the GEMV path: a moe_tensor_quant launch between the routing and
+    gate/up in every GEMV bucket, its grid a warp per 256 columns of each row it may write (a row
+    per routed pair, and per token for a shared expert in that format); its rows in workspace xt
+    (pairs) and xt_s (tokens), sized by the largest GEMV bucket; gate/up gets them and down's
+    scales (it quantizes the activations); a layer without the format gets none of it. Compiles
+    without spills."""
+    from moegen.families import Layer, tensor_quant_blocks
+    from moegen.plan import TARGETS
+
+    spec = parse_spec({**BASE, **CASES["fp8_tensor"], "max_tokens": 1024}, check_generated=False)
+    plan = make_plan(spec)  # (a shared expert beside FP8 per-tensor experts: no prefill buckets)
+    c = Layer.of(spec, TARGETS[spec.arch])
+    ks = {k.name: k for k in plan.kernels}
+    (tq,) = [k for k in plan.kernels if k.family == "tensor_quant"]
+    assert tq.targs == ("1024", "true", "true") and tq.arg_keys[-3:] == ("ws.xt", "ws.xt_s", "n")
+    assert not plan.prefill_from
+    for b in plan.buckets:
+        fams = [ks[x.kernel].family for x in b.launches]
+        at = fams.index("tensor_quant")
+        assert fams[at + 1] == "gate_up" and fams[at - 1] in ("router", "route"), fams
+        rows = b.max_tokens * (4 + 1)  # top-4 pairs and the shared expert's row, per token: 4 warps each
+        assert b.launches[at].grid == (tensor_quant_blocks(c, b.max_tokens), 1) == (min(-(-rows * 4 // 8), 4 * 132), 1)
+        gu = ks[b.launches[at + 1].kernel]
+        assert gu.arg_keys[-4:] == ("ws.xt", "ws.xt_s", "w.s2", "w.ss2")
+    ws = {x.name: x.shape for x in plan.workspace}
+    assert ws["xt"] == (1024 * 4, 1024) and ws["xt_s"] == (1024, 1024)
+    routed = make_plan(parse_spec({**BASE, "experts": CASES["fp8_tensor"]["experts"], "max_tokens": 1024},
+                                  check_generated=False))
+    ks = {k.name: k for k in routed.kernels}
+    assert [k.targs for k in routed.kernels if k.family == "tensor_quant"] == [("1024", "true", "false")]
+    assert routed.prefill_from, "FP8 per-tensor routed experts alone: prefill buckets"
+    for b in routed.buckets:
+        assert ("tensor_quant" in [ks[x.kernel].family for x in b.launches]) == (b.max_tokens < routed.prefill_from)
+    ws = {x.name: x.shape for x in routed.workspace}
+    assert ws["xt"] == (routed.prefill_from // 2 * 4, 1024) and ws["xt_s"] == (1,)
+    bf16 = make_plan(parse_spec({**BASE, "experts": {"count": 32, "top_k": 4, "intermediate_size": 512}},
+                                check_generated=False))
+    assert not [k for k in bf16.kernels if k.family == "tensor_quant"]
+    assert {x.name: x.shape for x in bf16.workspace}["xt"] == (1,)
+    res = compile_parts(render_all(spec, plan)["layer.cu"], plan.arch, plan.parts).resources
+    assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in res.values())
 
 
 def test_expert_parallel_partition():

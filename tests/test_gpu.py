@@ -50,7 +50,7 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
         if name.endswith(("_scale_inv", "_scale", "_scale_2", "_input_scale")):  # made with their weight
             continue
         if f"{name}_input_scale" in tensors(plan):  # FP8 per-tensor: codes, weight and static input scales
-            _rand_fp8_tensor(name, shape, layer_w, ref_w, torch, one_input=plan.prefill_from > 0)
+            _rand_fp8_tensor(name, shape, layer_w, ref_w, torch)
             continue
         if dtype == "uint8":  # FP4: random codes and scales as stored; the reference reads their values
             _rand_fp4(name, shape, plan, layer_w, ref_w, torch)
@@ -83,13 +83,11 @@ def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.
     return layer_w, ref_w
 
 
-def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: dict, torch: Any,
-                     one_input: bool = False) -> None:
+def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: dict, torch: Any) -> None:
     """FP8 per-tensor weights as ModelOpt stores them: e4m3 codes of O(1) values drawn on the device,
     a weight scale per matrix around 1/(16 sqrt(K)), and static input scales that leave some
-    activations past +-448 steps (the saturation is exercised). one_input: gate's and up's input
-    scales equal (as ModelOpt calibrates both on the same input; the prefill kernels need it),
-    otherwise each matrix its own."""
+    activations past +-448 steps (the saturation is exercised), gate's and up's equal (as ModelOpt
+    calibrates both on the same input; the kernels quantize x once for both)."""
     rng = np.random.default_rng()
     codes = (torch.randn(shape, device="cuda") * 16).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
     codes = codes.view(ml_dtypes.float8_e4m3fn)
@@ -97,7 +95,7 @@ def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: di
     in_scale = rng.uniform(2.0, 4.0, shape[:-2]).astype(np.float32) / 448.0
     other = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
     twin = next((f"{name[: -len(m)]}{o}_input_scale" for m, o in other.items() if name.endswith(m)), "")
-    if one_input and twin in layer_w:
+    if twin in layer_w:
         in_scale = layer_w[twin]
     layer_w[name], layer_w[f"{name}_scale"], layer_w[f"{name}_input_scale"] = codes, w_scale, in_scale
     ref_w[name] = _per_expert(shape, lambda e: codes[e].astype(np.float64) * np.float64(w_scale[e]),

@@ -150,6 +150,8 @@ def _host_weights(plan: Any) -> dict[str, np.ndarray]:
             out[name] = rng.standard_normal(shape).astype(np.float32)
         else:
             out[name] = rng.standard_normal(shape).astype(np.dtype(getattr(ml_dtypes, dtype)))
+    for name in [n for n in out if n.endswith("gate_proj_input_scale")]:  # FP8 per-tensor: gate's and up's equal
+        out[name.replace("gate_proj", "up_proj")] = out[name].copy()
     return out
 
 

@@ -429,6 +429,8 @@ def test_fp8_tensor_scales_where_the_kernels_read_them():
     rng = np.random.default_rng()
     given = {n: rng.uniform(0.1, 1.0, shape).astype(np.float32) for n, (shape, dt) in tensors(plan).items()
              if n.endswith(("_scale", "_input_scale"))}
+    for p in ("experts", "shared_expert"):  # gate's and up's input scales equal (the kernels quantize x once for both)
+        given[f"{p}.up_proj_input_scale"] = given[f"{p}.gate_proj_input_scale"]
     for pw in plan.weights:
         if pw.format != "fp8_tensor":
             continue
@@ -441,12 +443,9 @@ def test_fp8_tensor_scales_where_the_kernels_read_them():
                 assert flat[at] == (ws[e] if e is not None else ws) and flat[at + 1] == (ins[e] if e is not None else ins)
     assert {pw.name: len(pw.sources) for pw in plan.weights if pw.format == "fp8_tensor"} == {
         "w13": 2, "w2": 1, "ws13": 2, "ws2": 1}  # the strides the templates use: 4 and 2 per expert
-    # one_input (the prefill kernels: a token row quantized once for gate and up): equal input
-    # scales pass, the first expert whose differ is named
+    # unequal gate and up input scales: the first expert whose differ is named
     w13 = next(pw for pw in plan.weights if pw.name == "w13")
-    same = {**given, "experts.up_proj_input_scale": given["experts.gate_proj_input_scale"]}
-    assert np.array_equal(fp8_tensor_scales(w13, same, one_input=True), fp8_tensor_scales(w13, same))
-    bad = {**same, "experts.up_proj_input_scale": same["experts.up_proj_input_scale"].copy()}
+    bad = {**given, "experts.up_proj_input_scale": given["experts.up_proj_input_scale"].copy()}
     bad["experts.up_proj_input_scale"][3] *= 2
     with pytest.raises(WeightError, match=r"experts\.up_proj_input_scale\[3\] = .* differs from experts\.gate_proj_input_scale\[3\]"):
-        fp8_tensor_scales(w13, bad, one_input=True)
+        fp8_tensor_scales(w13, bad)

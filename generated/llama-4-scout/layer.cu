@@ -167,7 +167,9 @@ MOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N
 #define MOE_W_NVFP4 3
 // FP8 per-tensor (ModelOpt FP8): e4m3 codes as FP8 block's, one fp32 weight scale per matrix and a
 // static input scale: the activations are quantized, e4m3(x / input_scale) saturating, and the
-// products of codes summed in fp32 are multiplied by input_scale * weight_scale.
+// products of codes summed in fp32 are multiplied by input_scale * weight_scale. TileGemv takes
+// its B rows already quantized (bf16 holding the e4m3 values: moe_tensor_quant for x, gate/up's
+// epilogue for the activations), once per row rather than once per weight tile.
 #define MOE_W_FP8_TENSOR 4
 // FP8 block weights times FP8 activations (DeepSeek's recipe, MODELS.md format a): the B rows are
 // e4m3 codes (as bf16) of activations quantized per token and 128 channels, with their fp32
@@ -290,6 +292,7 @@ MOE_DEVICE float group_scale_e4m3(uint2 v) {
   return __fdiv_rn(fmaxf(warp_max(a), 1e-4f), 448.0f);
 }
 MOE_DEVICE u32 quant_e4m3x2(u32 two, float s) { return e4m3x2_to_bf16x2((unsigned short)e4m3x2_codes(two, s)); }
+MOE_DEVICE bf16_t quant_e4m3(bf16_t v, float s) { return (bf16_t)(quant_e4m3x2(v, s) & 0xffffu); }
 
 // The FP4 row scales of packed tile `tile` as TileGemv takes them. MXFP4: [KC][MATS][16] E8M0
 // bytes per tile. NVFP4: [KC][MATS][2][16] e4m3 bytes per tile, then the MATS fp32 scale_2 of
@@ -327,7 +330,8 @@ struct TileGemv {
   // a: this tile's packed weights; x: activation rows (stride x_stride elements); tok: row index
   // of each token (nullptr: rows are 0..m-1); tokens n0 .. n0+8*NT-1 of m are computed.
   // FP8: scale[mt * scale_stride + c / 4] is the scale of matrix mt's 128-wide K block of chunk c.
-  // FP8 per-tensor: scale[mt * scale_stride] and [.. + 1] are matrix mt's weight and input scales.
+  // FP8 per-tensor: scale[mt * scale_stride] and [.. + 1] are matrix mt's weight and input scales;
+  // the rows of x are already quantized by the input scale (equal for all MATS matrices).
   // MXFP4: scale (bytes) [KC][MATS][16] holds this tile's E8M0 row scales, one per chunk.
   // NVFP4: scale (bytes) [KC][MATS][2 blocks of 16 along K][16] its e4m3 row scales; scale2[mt]
   // each matrix's scale_2.
@@ -365,13 +369,10 @@ struct TileGemv {
         xlive[j][b] = A8 && n < m;
         xrow[j][b] = xlive[j][b] ? (tok ? tok[n] : n) : 0;
       }
-    float s_in[MATS], s_out[MATS];  // FP8 per-tensor: each matrix's input scale, and the sums' scale
+    float s_out[MATS];  // FP8 per-tensor: each matrix's input scale times its weight scale
     if (FMT == MOE_W_FP8_TENSOR) {
 #pragma unroll
-      for (int mt = 0; mt < MATS; ++mt) {
-        s_in[mt] = __ldg(scale + mt * scale_stride + 1);
-        s_out[mt] = s_in[mt] * __ldg(scale + mt * scale_stride);
-      }
+      for (int mt = 0; mt < MATS; ++mt) s_out[mt] = __ldg(scale + mt * scale_stride + 1) * __ldg(scale + mt * scale_stride);
     }
     uint4* ring = smem + warp * DEPTH * FRAGS * 32 + lane;
     uint4* sring = smem + WARPS * DEPTH * FRAGS * 32 + warp * DEPTH * SCU;  // the warp's scales
@@ -461,23 +462,15 @@ struct TileGemv {
             mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
           }
         }
-      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times quantized activations, exactly, summed in fp32
-        auto quant = [&](const uint4& b, float si) {
-          return make_uint4(quant_e4m3x2(b.x, si), quant_e4m3x2(b.y, si), quant_e4m3x2(b.z, si), quant_e4m3x2(b.w, si));
-        };
-        if (scale_stride == 0) {  // matrices of one source share their input scale: the tokens quantized once
-#pragma unroll
-          for (int j = 0; j < NT; ++j) bv[j] = quant(bv[j], s_in[0]);
-        }
+      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times the quantized rows, exactly, summed in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           uint4 k0, k1;
           e4m3x16_to_bf16(av[mt], k0, k1);
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {  // (each matrix its own input scale: each token quantized at use)
-            const uint4 q = scale_stride == 0 ? bv[j] : quant(bv[j], s_in[mt]);
-            mma_bf16(acc[j][mt], k0, q.x, q.y);
-            mma_bf16(acc[j][mt], k1, q.z, q.w);
+          for (int j = 0; j < NT; ++j) {
+            mma_bf16(acc[j][mt], k0, bv[j].x, bv[j].y);
+            mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
           }
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
@@ -1333,7 +1326,9 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                              const int* __restrict__ slot_token, bf16_t* __restrict__ act,
                              bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w = nullptr,
                              const float* __restrict__ b_gate = nullptr, const float* __restrict__ b_up = nullptr,
-                             const bf16_t* __restrict__ xq = nullptr, const float* __restrict__ sx = nullptr) {
+                             const bf16_t* __restrict__ xq = nullptr, const float* __restrict__ sx = nullptr,
+                             const bf16_t* __restrict__ xt = nullptr, const bf16_t* __restrict__ xt_s = nullptr,
+                             const float* __restrict__ s2 = nullptr, const float* __restrict__ ss2 = nullptr) {
   using GR = TileGemv<KC, 2, NT, WARPS, DEPTH, FMT>;
   using GS = TileGemv<KC, 2, NTS, WARPS, DEPTHS, FMTS>;  // the shared expert's ring: its own format's depth
   // (a layer without a shared expert reserves nothing for it: 5 BF16-sized rings a multiprocessor,
@@ -1355,22 +1350,28 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                       : FMT == MOE_W_FP8_TENSOR ? s13 + (size_t)e * 4
                       : FMT == MOE_W_BF16 ? nullptr : s13 + ((size_t)e * (I / 128) + tile / 8) * KB;
     const int sc_stride = FMT == MOE_W_FP8_TENSOR ? 2 : E * (I / 128) * KB;
+    // FP8 per-tensor: the pairs' rows of x as moe_tensor_quant wrote them (in slot order), and the
+    // activations quantized here by down's input scale, once
+    constexpr bool T8 = FMT == MOE_W_FP8_TENSOR;
+    const float s_down = T8 ? __ldg(s2 + (size_t)e * 2 + 1) : 0.0f;
     for (int n0 = 0; n0 < m; n0 += 8 * NT) {
-      GR::run(a, FMT == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, slot_token + begin, n0, m, red, sc, sc_stride,
-              nv_scale2(sc, KC, 2), sx);
+      GR::run(a, FMT == MOE_W_FP8_BLOCK_A8 ? xq : T8 ? xt + (size_t)begin * KC * 32 : x, KC * 32,
+              T8 ? nullptr : slot_token + begin, n0, m, red, sc, sc_stride, nv_scale2(sc, KC, 2), sx);
       for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-        if (tk < m)
-          act[(size_t)(begin + tk) * I + tile * 16 + r] =
-              routed_act(GR::result(red, j, 0, r, col), GR::result(red, j, 1, r, col), b_gate, b_up,
-                         (size_t)e * I + tile * 16 + r, slot_w, begin + tk);
+        if (tk < m) {
+          const bf16_t v = routed_act(GR::result(red, j, 0, r, col), GR::result(red, j, 1, r, col), b_gate, b_up,
+                                      (size_t)e * I + tile * 16 + r, slot_w, begin + tk);
+          act[(size_t)(begin + tk) * I + tile * 16 + r] = T8 ? quant_e4m3(v, s_down) : v;
+        }
       }
       __syncthreads();
     }
   } else if (TIS > 0) {
     // The shared expert reads only x and its weights: it need not wait for the routing (with FP8
-    // activations it reads x's codes, which the kernel before it writes).
-    if (FMTS == MOE_W_FP8_BLOCK_A8) grid_dep_wait();
+    // activations, or FP8 per-tensor weights, it reads x's codes, which the kernel before it writes).
+    constexpr bool T8S = FMTS == MOE_W_FP8_TENSOR;
+    if (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
@@ -1378,14 +1379,16 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
                       : FMTS == MOE_W_NVFP4 ? nv_scales(ss13, tile, KC, 2)
                       : FMTS == MOE_W_FP8_TENSOR ? ss13
                       : FMTS == MOE_W_BF16 ? nullptr : ss13 + (size_t)(tile / 8) * KB;
+    const float s_down = T8S ? __ldg(ss2 + 1) : 0.0f;
     for (int n0 = 0; n0 < n; n0 += 8 * NTS) {
-      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? xq : x, KC * 32, nullptr, n0, n, red, sc,
-              FMTS == MOE_W_FP8_TENSOR ? 2 : (IS / 128) * KB, nv_scale2(sc, KC, 2), sx);
+      GS::run(a, FMTS == MOE_W_FP8_BLOCK_A8 ? xq : T8S ? xt_s : x, KC * 32, nullptr, n0, n, red, sc,
+              T8S ? 2 : (IS / 128) * KB, nv_scale2(sc, KC, 2), sx);
       for (int i = threadIdx.x; i < NTS * 128; i += WARPS * 32) {
         const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < n) {
           const float gv = GS::result(red, j, 0, r, col), uv = GS::result(red, j, 1, r, col);
-          act_s[(size_t)tk * IS + tile * 16 + r] = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+          const bf16_t v = f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+          act_s[(size_t)tk * IS + tile * 16 + r] = T8S ? quant_e4m3(v, s_down) : v;
         }
       }
       __syncthreads();
@@ -1544,6 +1547,50 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
         *reinterpret_cast<uint2*>(out + (size_t)tk * H + h) =
             make_uint2(pack_bf16x2(acc[u][0], acc[u][1]), pack_bf16x2(acc[u][2], acc[u][3]));
     }
+  }
+}
+
+// ---- FP8 per-tensor weights: x quantized by the experts' static input scales ----
+// FP8 per-tensor weights (ModelOpt FP8): the rows gate/up's GEMV reads, quantized once rather than
+// in every weight tile, e4m3(x / s) saturating and held in bf16 exactly. ROUTED: a row per routed
+// (token, choice) pair in slot order (the rows of act), by its expert's static input scale (gate's,
+// equal to up's: the loader checks it), into xt; SHARED: a row per token by the shared expert's,
+// into xt_s. A warp per 256 columns of a row, grid-strided.
+template <int H, bool ROUTED, bool SHARED>
+MOE_DEVICE void tensor_quant_body(const bf16_t* __restrict__ x, const float* __restrict__ s13,
+                                  const float* __restrict__ ss13, const int* __restrict__ num_slots,
+                                  const int* __restrict__ slot_expert, const int* __restrict__ slot_begin,
+                                  const int* __restrict__ slot_token, bf16_t* __restrict__ xt,
+                                  bf16_t* __restrict__ xt_s, int n) {
+  static_assert(H % 8 == 0, "whole 16-byte pieces");
+  constexpr int PIECES = (H + 255) / 256;
+  grid_dep_wait();  // the routing is complete, and the last call's readers of xt are done
+  grid_dep_launch();
+  const int slots = ROUTED ? *num_slots : 0, pairs = ROUTED ? slot_begin[slots] : 0;
+  const int rows = pairs + (SHARED ? n : 0), lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x >> 5);
+  for (int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < rows * PIECES; w += warps) {
+    const int r = w / PIECES, c = (w % PIECES) * 256 + lane * 8;
+    if (c >= H) continue;
+    const bf16_t* src;
+    bf16_t* dst;
+    float s;
+    if (r < pairs) {  // the slot holding row r: slot_begin[lo] <= r < slot_begin[lo + 1]
+      int lo = 0, hi = slots - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (slot_begin[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      s = __ldg(s13 + (size_t)slot_expert[lo] * 4 + 1);
+      src = x + (size_t)slot_token[r] * H;
+      dst = xt + (size_t)r * H;
+    } else {
+      s = __ldg(ss13 + 1);
+      src = x + (size_t)(r - pairs) * H;
+      dst = xt_s + (size_t)(r - pairs) * H;
+    }
+    const uint4 v = *reinterpret_cast<const uint4*>(src + c);
+    *reinterpret_cast<uint4*>(dst + c) =
+        make_uint4(quant_e4m3x2(v.x, s), quant_e4m3x2(v.y, s), quant_e4m3x2(v.z, s), quant_e4m3x2(v.w, s));
   }
 }
 
