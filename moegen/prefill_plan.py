@@ -45,6 +45,14 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # about two thirds of the rate of two, so the count doubles there: GPT-OSS-20B N = 129 / 256 398.8
 # / 596.9 against 551.8 / 564.3 (all: the H200, 2026-12-01, the same A/B).
 TOKENS_PER_EXPERT = 10
+# A shared expert takes every token: on the GEMV path it streams its weights once per token group
+# (32 tokens), on the prefill GEMMs about once, so it counts as si / i more experts, each given
+# every token (the count above, averaged over the routed and the shared experts' widths). It moved
+# four layers' first bucket down by one, where the A/B measured the prefill kernels ahead at the new
+# bucket's smallest N (GEMV against prefill, us; the H200, 2026-12-01): Llama-4-Scout N = 129 / 256
+# 1271.2 / 1557.3 against 1130.0 / 1144.4; Llama-4-Maverick (one layer a replay, a process each)
+# N = 1025 / 2048 10371.3 / 13996.0 against 7612.0 / 8179.2; Qwen1.5-MoE-A2.7B N = 129 / 256 395.1 /
+# 491.8 against 370.2 / 374.7; Qwen2-57B-A14B N = 65 / 128 1215.4 / 1410.8 against 1153.5 / 1171.2.
 # FP8 activations: the GEMV scales every token's products of every 32-wide chunk in fp32 (the
 # token's scale changes each 128 channels), so its time grows with the tokens an expert gets from
 # the first one, while the tensor-core GEMMs stream each hit expert once. Measured on the H200
@@ -147,16 +155,18 @@ def unsupported(c: Layer) -> str:
 
 def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
-    first power-of-two bucket whose smallest N (half its size, plus one) gives the routed experts
-    TOKENS_PER_EXPERT tokens each on average (twice as many with one consumer warpgroup); with FP8
-    activations from A8_TOKENS_PER_EXPERT tokens an expert; a tuning may move it."""
+    first power-of-two bucket whose smallest N (half its size, plus one) gives the experts
+    TOKENS_PER_EXPERT tokens each on average (twice as many with one consumer warpgroup), a shared
+    expert counted as si / i experts that take every token; with FP8 activations from
+    A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
     if tiles(c).a8:
         return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
-    first, b = math.ceil(TOKENS_PER_EXPERT * TILES.bm // tiles(c).bm * c.e / c.k), 1
+    shared = c.si / c.i  # (in routed experts' widths)
+    first, b = math.ceil(TOKENS_PER_EXPERT * TILES.bm // tiles(c).bm * (c.e + shared) / (c.k + shared)), 1
     while b // 2 + 1 < first:
         b *= 2
     return b

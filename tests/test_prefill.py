@@ -262,8 +262,10 @@ def _compiles_clean(spec, plan, kernels) -> None:
 
 @pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
                                         ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16),
-                                        ("llama-4-scout", 512), ("gpt-oss-20b", 256), ("gpt-oss-120b", 1024),
-                                        ("qwen3-30b-a3b-mxfp4", 512), ("deepseek-v3-nvfp4", 1024)])
+                                        ("llama-4-scout", 256), ("gpt-oss-20b", 256), ("gpt-oss-120b", 1024),
+                                        ("qwen3-30b-a3b-mxfp4", 512), ("deepseek-v3-nvfp4", 1024),
+                                        ("llama-4-maverick", 2048), ("qwen1.5-moe-a2.7b", 256),
+                                        ("qwen2-57b-a14b", 128)])
 def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
@@ -271,7 +273,10 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256,
     GPT-OSS-120B's 1634.6 against 1603.1 at 513; FP4 weights cross at 16-32 tokens an expert:
     Qwen3-30B-A3B-MXFP4's 299.5 against 328.3 at 257 and 441.5 against 335.2 at 512,
-    DeepSeek-V3-NVFP4's 4704.0 against 5530.4 at 513 and 7989.2 against 5614.8 at 1024."""
+    DeepSeek-V3-NVFP4's 4704.0 against 5530.4 at 513 and 7989.2 against 5614.8 at 1024. A shared
+    expert counts as si / i experts taking every token: Llama-4-Scout's 1271.2 against 1130.0 at 129,
+    Llama-4-Maverick's 10371.3 against 7612.0 at 1025, Qwen1.5-MoE-A2.7B's 395.1 against 370.2 at
+    129, Qwen2-57B-A14B's 1215.4 against 1153.5 at 65."""
     from pathlib import Path
 
     from moegen.plan import make_plan
@@ -319,7 +324,9 @@ def test_weight_on_input_layers_get_prefill_buckets():
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "llama-4-scout.yaml")
     plan = make_plan(spec)
-    assert plan.prefill_from == 512  # 16 experts, top-1: 10 tokens each from N = 160, the bucket of 257..512
+    # 16 experts top-1 and a shared expert as wide (taking every token): 10 tokens each from N = 85,
+    # the bucket of 129..256
+    assert plan.prefill_from == 256
     ks = {k.family: k for k in plan.kernels if k.family.startswith("prefill")}
     assert ks["prefill_place"].targs == ("true",) and ks["prefill_place"].arg_keys[-3:] == ("ws.topk_w", "ws.slot_w", "n")
     gu = ks["prefill_gemm_gate_up"]
