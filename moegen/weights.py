@@ -216,7 +216,7 @@ def fp8_tensor_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.
     """The scales of a packed FP8 per-tensor weight: [..., sources, 2] fp32, each source's weight
     scale then its static input scale (the kernel multiplies the code sums by both). The sources'
     input scales must be equal (gate's and up's: the kernels quantize a token row once for both, as
-    ModelOpt's calibration of both on the same input, and its export of the fused pair, give)."""
+    ModelOpt's max calibration of both on the same tokens gives)."""
     pairs = [np.stack([np.asarray(scales[f"{s}_scale"], np.float32), np.asarray(scales[f"{s}_input_scale"], np.float32)],
                       axis=-1) for s in pw.sources]
     for s, p in zip(pw.sources, pairs):
