@@ -95,6 +95,17 @@ def test_catalog_spec_loads(path: Path):
     assert first.startswith("# ") and len(first) > 10, "each spec opens with a one-line comment"
 
 
+@pytest.mark.parametrize("path", CATALOG, ids=lambda p: p.stem)
+def test_catalog_spec_runs_prefill_up_to_16384_tokens(path: Path):
+    """Every catalog spec's layer goes to 16384 tokens, and the plan gives it prefill buckets below
+    that (the grouped GEMMs take every catalog layer's formats and rules)."""
+    from moegen.plan import make_plan
+
+    spec = load_spec(path)
+    plan = make_plan(spec)
+    assert spec.max_tokens == 16384 and 0 < plan.prefill_from < 16384, (spec.max_tokens, plan.prefill_from)
+
+
 def _check_shape(spec: Spec, h: int, e: int, k: int, i: int, shared: tuple | None) -> None:
     assert (spec.hidden_size, spec.experts.count, spec.experts.top_k, spec.experts.intermediate_size) == (h, e, k, i)
     if shared is None:
