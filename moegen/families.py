@@ -524,7 +524,7 @@ def gate_up_kernel(c: Layer, nt: int, nts: int, wave: int = 0) -> Kernel:
     if c.bias or a8 or t8:  # (positional: the quantized inputs' pointers come after these, null where unused)
         extra += (("const float* __restrict__ b_gate", "b_gate", "w.b_gate"),
                   ("const float* __restrict__ b_up", "b_up", "w.b_up"))
-    if a8 or t8:  # x quantized per token and 128 channels (moe_act_quant), and its scales
+    if a8 or t8:  # x quantized per token and 128 channels (moe_act_quant), and its scales (t8: null placeholders)
         extra += (("const bf16_t* __restrict__ xq", "xq", "ws.xq"), ("const float* __restrict__ sx", "sx", "ws.sx"))
     if t8:  # FP8 per-tensor: x's rows quantized (moe_tensor_quant); down's scales, which quantize the activations
         extra += (("const bf16_t* __restrict__ xt", "xt", "ws.xt"), ("const bf16_t* __restrict__ xt_s", "xt_s", "ws.xt_s"),

@@ -365,7 +365,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
                              "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
            if nf else {"kernel_order": ("router (+ route)", "route",
-                                         *(("tensor_quant (FP8 per-tensor: x's rows)",) if F.tensor_quant_kernel(c) else ()),
+                                         *(("tensor_quant (FP8 per-tensor: x's rows)",) if any(k.family == "tensor_quant" for k in kernels.values()) else ()),
                                          "gate_up", "down + combine",
                                          *((f"from {pf} tokens, after the route: permute (FP8 activations: quantize)", "count",
                                             "scan", "place", "gate/up GEMM", "down GEMM", "combine") if pf else ()))}),
