@@ -674,7 +674,7 @@ SINGLE_TWO_PAIRS = 8
 def single_layout(c: Layer, target: Target, ntok: int = 1) -> tuple[int, int] | None:
     """(dynamic shared memory bytes, gate/up units a block takes per round) of the single-launch
     kernel for this layer, or None where it does not apply: it takes BF16 weights (or, with the
-    tunings single_fp8 / single_fp4, FP8 block, MXFP4 or NVFP4 weights; a shared expert in the
+    tunings single_fp8 / single_fp4, FP8 block or per-tensor, MXFP4 or NVFP4 weights; a shared expert in the
     routed experts' format), no expert parallelism, biases, identity experts, weighted inputs or
     hash routing, one reduction order for every N only where the spec does not ask for it
     (batch_invariant), hidden sizes whose 32-wide chunks split evenly over its warps, and a
@@ -685,7 +685,7 @@ def single_layout(c: Layer, target: Target, ntok: int = 1) -> tuple[int, int] | 
     (single_two: down by columns only, twice a group's units at most SINGLE_TWO_PAIRS)."""
     # FP8 and FP4 with tagged words only (with the barriers FP8's down phase spills); FP4 with two
     # down tiles a row group (a block copies its group's run, both tiles, and takes its own)
-    fmts = ("bf16",) + (("fp8_block",) if c.tune.single_fp8 and c.tune.single_tags else ()) + (
+    fmts = ("bf16",) + (("fp8_block", "fp8_tensor") if c.tune.single_fp8 and c.tune.single_tags else ()) + (
         FP4_FORMATS if c.tune.single_fp4 and c.tune.single_tags and c.tune.down_tiles == 2 else ())
     if not c.tune.single or c.spec.batch_invariant or c.kf_e not in fmts or (c.si and c.kf_s != c.kf_e):
         return None
@@ -712,6 +712,8 @@ def single_layout(c: Layer, target: Target, ntok: int = 1) -> tuple[int, int] | 
         static += max(2 * (c.k * c.i + c.si), 4 * single_ksplit(c) * c.rows_pad if single_tags(c) else 0)
     if c.kf_e == "fp8_block":  # the down rows' block scales
         static += 4 * dslots * -(-max(c.i, c.si) // 128)
+    if c.kf_e == "fp8_tensor":  # each operand's down scale; x quantized for each unit of a round
+        static += 4 * dslots + 2 * ur * c.h
     if c.kf_e in FP4_FORMATS:  # each operand's down scales (a chunk's 32 or 64 bytes; NV: scale_2, 16)
         static += dslots * (max(c.i, c.si) // 32 * (32 if c.kf_e == "mxfp4" else 64) + (16 if c.kf_e == "nvfp4" else 0))
     smem = red if cols else pieces * _single_piece(c) + red

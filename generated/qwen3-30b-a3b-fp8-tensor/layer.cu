@@ -4,7 +4,7 @@
 // E=128 routed experts, top-8, H=2048, I=768.
 // Routing: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 9437184 bytes.
-// Kernels per call: router (+ route) -> route -> tensor_quant (FP8 per-tensor: x's rows) -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> tensor_quant (FP8 per-tensor: x's rows) -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -1817,6 +1817,1252 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
   out[(size_t)tk * H + h] = f32_to_bf16(acc[0]);
 }
 
+// ---- one token, one launch: router, route, gate/up and down + weighted sum in a single grid ----
+// At N = 1 a fine-grained layer reads tens of MB in a few microseconds, and the dependent-launch
+// chain (router -> gate/up -> down) costs about as much as the bytes: each kernel's start, its
+// first memory round trip and its drain are exposed. This kernel runs the whole layer in one
+// grid of one block per multiprocessor, all resident (a cooperative launch). With down by
+// columns it also takes two tokens (NTOK, the N = 2 bucket: each token's units as at one token):
+//
+//   1. router logits: (16-row tile, K part) units over the blocks, partial sums to global; the
+//      shared expert's weights asked for into L2 meanwhile, or (warp 0's route) while warp 0
+//      routes (they do not depend on the route; not with down by columns);
+//   -- every block waits for all of them --
+//   2. every block routes the token itself (into its shared memory; with route_one's rules the
+//      whole block at once, route_block), then asks the copy engine for its whole share of the
+//      down weights (its 16 output rows of every chosen expert, and of the shared expert: one
+//      tensor copy per operand, or one bulk copy per piece or per operand), which stream into
+//      shared memory while it computes gate/up: the memory is never idle between gate/up and
+//      down;
+//   3. gate/up + activation: (expert, 16-row tile) units over the blocks, each warp keeping P
+//      chunks of weights in flight in registers; activations to global;
+//   -- every block waits for all of them --
+//   4. down: the block's rows of every expert from shared memory, the activations from L2, all
+//      of a warp's products issued together; the partial sums added in warp order, then the
+//      choices in choice order: out, in bf16.
+//
+// The two waits are grid barriers (one word, ws.gbar, whose top bit flips at each barrier), or
+// with TAGS none: each partial logit and each activation is written with the call's epoch in
+// the same word (a 64-bit logit: value, epoch; a 32-bit activation: bf16, low 16 bits of the
+// epoch), and the readers load them until every epoch is this call's. A barrier costs the last
+// arrival's round trip to L2, the pollers' round trip and then the data's; a tagged read only
+// the data's. The epoch (ws.epoch[0]) is read by every block at its start (each counts itself in
+// ws.epoch[1]); block 0 advances it at its end, once every block has read it. The call before
+// has finished when a block starts reading (griddepcontrol.wait), so its words carry an older
+// epoch, and the workspace starts zeroed (epoch 0, never a call's).
+//
+// No floating-point atomics; every sum has a fixed order (the result is the same run to run).
+// BF16, FP8 block or per-tensor, MXFP4 or NVFP4 weights (the shared expert in the routed experts' format), no
+// expert parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives
+// this kernel only such layers, and the shapes it fits.
+
+// Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
+// 2^31 - (blocks - 1), so the word's top bit flips when the last block arrives, whichever it
+// is. The word is never reset. Each block reads the top bit once, before its first arrival (the
+// bit cannot flip before every block has arrived), so that its arrivals need no reply: a
+// release reduction, then polls until the bit differs from the one it had before (`phase`,
+// which each barrier flips).
+MOE_DEVICE void grid_barrier(unsigned* bar, unsigned& phase) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    __threadfence();  // this block's writes, before its arrival
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(bar), "r"(add) : "memory");
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    } while ((now & 0x80000000u) == phase);
+    phase ^= 0x80000000u;
+  }
+  __syncthreads();
+}
+
+// A tensor copy global -> shared of one box of a tensor map (in global memory, 128 bytes), at
+// coordinates c (innermost first), completing its bytes on the mbarrier.
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+MOE_DEVICE void tensor_copy(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+MOE_DEVICE void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Tagged words (TAGS): relaxed gpu-scope accesses, each single-copy atomic (value and epoch together).
+MOE_DEVICE void st_tagged(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MOE_DEVICE unsigned long long ld_tagged(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MOE_DEVICE ulonglong2 ld_tagged2(const unsigned long long* p) {  // two tagged logits (16-byte aligned)
+  ulonglong2 v;
+  asm volatile("ld.relaxed.gpu.global.v2.b64 { %0, %1 }, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+}
+MOE_DEVICE void st_tagged(u32* p, u32 v) { asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+MOE_DEVICE uint4 ld_tagged4(const u32* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Whether route_block takes a rule: every expert's selection value a function of its own logit
+// (not a softmax over all experts ahead of a correction bias), one expert per thread, at most 16
+// choices.
+template <int E, int K, class R, int THREADS>
+struct RouteBlockFits {
+  static constexpr bool value = !(!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && R::CORR_BIAS) && E <= THREADS &&
+                                K <= 16 && E >= K;
+};
+
+// route_one's bound (its 32-lane rank of the lanes' largest keys) from 2 experts a lane, where the
+// routers' kernels take it from 8: measured on the H200 (2026-12-01, N = 1, one process, 6-8
+// interleaved rounds, the same bits) against the k rounds of a warp reduction: GLM-4.5-Air 89.96
+// -> 88.88 us, OLMoE 30.53 -> 30.16, Qwen3-30B-A3B 25.06 -> 25.05, DeepSeek-V2-Lite 39.12 -> 39.18,
+// Qwen1.5-MoE 39.81 -> 39.89
+constexpr int SINGLE_BOUND_MIN = 2;
+
+// The route of the one token by the whole block (route_one's rules where RouteBlockFits): the
+// same choices, in the same order, into ids; their scores into pick, every expert's score (for
+// a softmax over all experts) into v_all and the shared gate's logit into gl, for
+// route_block_weights, which runs later, off the path to the first expert byte. Expert e's
+// selection value becomes one 64-bit key, its order key above ~e (a larger value first; equal
+// values: the lower expert), and its choice slot is its rank: the keys above it, counted.
+//  - E <= THREADS / 4: every rank counted directly, RG threads an expert, each comparing a strided
+//    E / RG of the keys (one barrier between the keys and the ranks);
+//  - else NG <= 32 groups of G experts (G the smallest power of two that makes so few; NG >= K)
+//    take their largest key; the K-th largest group maximum T bounds the K-th largest key from
+//    below (K groups each hold a key >= T), so the choices are among the keys >= T, about K of
+//    them: those are gathered (in any order) and ranked among themselves (two barriers).
+// The partial logits: part p at logits + p * PSTRIDE (shared memory).
+template <int E, int K, int KSPLIT, int PSTRIDE, bool SHARED_GATE, class R, int THREADS>
+MOE_DEVICE void route_block(const float* logits, const float* __restrict__ corr_bias,
+                            const float* __restrict__ router_bias, int* ids, float* pick, float* v_all, float* gl) {
+  static_assert(RouteBlockFits<E, K, R, THREADS>::value, "route_block's rules");
+  constexpr bool DIRECT = 4 * E <= THREADS;
+  constexpr int RG = THREADS / E >= 32 ? 32 : THREADS / E >= 16 ? 16 : THREADS / E >= 8 ? 8 : 4;  // DIRECT: threads an expert
+  constexpr int G = E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= 256 ? 8 : 16;
+  constexpr int NG = (E + G - 1) / G;
+  static_assert(DIRECT || (NG >= K && NG <= 32), "route_block's groups");
+  __shared__ __align__(16) u32 s_gmax[(NG + 3) / 4 * 4];
+  __shared__ int s_cnt;
+  __shared__ unsigned long long s_ck[E];  // the keys (DIRECT: expert e's at e; else the candidates')
+  __shared__ float s_cv[E];               // their scores
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float v = MOE_NEG_INF;
+  u32 key = 0;  // below every expert's
+  if (tid < E) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + tid];
+    s = route_score<R>(route_logit<R>(s, router_bias, tid));
+    v = s;
+    v_all[tid] = s;
+    key = order_key(s + (R::CORR_BIAS ? corr_bias[tid] : 0.0f));
+  }
+  if (SHARED_GATE && tid == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < KSPLIT; ++p) s += logits[p * PSTRIDE + E];
+    *gl = s;
+  }
+  if constexpr (DIRECT) {
+    if (tid < E) {
+      s_ck[tid] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[tid] = v;
+    }
+    __syncthreads();
+    const int e = tid / RG, q = tid % RG;  // expert e's rank, part q: keys q, q + RG, ... (no bank conflicts)
+    int rank = 0;
+    if (e < E) {
+      const unsigned long long my = s_ck[e];
+#pragma unroll
+      for (int j = q; j < E; j += RG) rank += s_ck[j] > my;
+    }
+#pragma unroll
+    for (int o = 1; o < RG; o *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    if (e < E && q == 0 && rank < K) {
+      ids[rank] = e;
+      pick[rank] = s_cv[e];
+    }
+  } else {
+    u32 gm = key;
+#pragma unroll
+    for (int o = 1; o < G; o *= 2) gm = max(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    if (tid % G == 0 && tid / G < NG) s_gmax[tid / G] = gm;
+    if (tid == 0) s_cnt = 0;
+    __syncthreads();
+    // every warp holding experts: T, the group maximum with K - 1 before it (lane l ranks group
+    // l, the maxima read 4 at a time)
+    u32 thr = 0;
+    if (warp * 32 < E) {
+      const u32 m = lane < NG ? s_gmax[lane] : 0u;
+      int rank = 0;
+#pragma unroll
+      for (int w4 = 0; w4 < NG; w4 += 4) {
+        const uint4 q = *reinterpret_cast<const uint4*>(s_gmax + w4);
+        const u32 o[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int w = w4; w < w4 + 4 && w < NG; ++w) rank += o[w - w4] > m || (o[w - w4] == m && w < lane);
+      }
+      thr = __shfl_sync(0xffffffffu, m, __ffs(__ballot_sync(0xffffffffu, lane < NG && rank == K - 1)) - 1);
+    }
+    if (tid < E && key >= thr) {
+      const int i = atomicAdd(&s_cnt, 1);
+      s_ck[i] = (unsigned long long)key << 32 | (u32)~tid;
+      s_cv[i] = v;
+    }
+    __syncthreads();
+    const int C = s_cnt;
+    for (int i = tid; i < C; i += THREADS) {
+      const unsigned long long ki = s_ck[i];
+      int rank = 0;
+#pragma unroll 4
+      for (int j = 0; j < C; ++j) rank += s_ck[j] > ki;
+      if (rank < K) {
+        ids[rank] = (int)~(u32)ki;
+        pick[rank] = s_cv[i];
+      }
+    }
+  }
+}
+
+// route_block's weights (warp 0): the choices' from their scores (a softmax over all experts:
+// exp(v - the largest v) summed over v_all, in lane order), the shared-expert gate.
+template <int E, int K, bool SHARED_GATE, class R>
+MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const float* gl, float* w_out, float* gate) {
+  constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
+  float sum = 0.0f;
+  if (LOGIT_ORDER && !R::RENORM) {
+    const float top = pick[0];  // the first choice: the largest logit
+    for (int e = threadIdx.x & 31; e < E; e += 32) sum += expf(v_all[e] - top);
+    sum = warp_sum(sum);
+  }
+  route_weights<K, R>(pick, sum, w_out);
+  if (SHARED_GATE && threadIdx.x == 0) *gate = 1.0f / (1.0f + expf(-*gl));
+}
+
+// KC = H/32, KCD = I/32, KCDS = IS/32 chunks; TI, TIS gate/up tiles; TPB down tiles per packed
+// row group (w2's layout); KSPLIT router K parts; UR gate/up units a block takes per round
+// (reduction space); WARPS warps; P chunks in flight per warp; TAGS: tagged words instead of
+// grid barriers (see the top; with route_one's rules); OVERLAP (with TAGS): warp 0 routes alone
+// and asks for this block's down rows; the other warps wait for the choices only (an mbarrier,
+// route_mem), not for the weights (computed in the down phase). Their loads are not in flight
+// meanwhile: with them in flight (the first unit's, as each block's expert was chosen) the route
+// took three times as long (its shared-memory accesses queued behind them), and so did the copies
+// asked for after it. (Asking for each expert's rows as it was chosen measured 0.1-0.3 us
+// slower: the copies' issue slowed the rounds.) LATE: the block's down rows asked for as warp 0
+// starts its last round of gate/up loads instead (moegen.families.single_late_down), the memory
+// streaming the gate/up weights first and the down rows behind them, during the activations'
+// exchange.
+// Without TAGS: logits, act, act_s, gbar;
+// with: tl (KSPLIT x ROWS_PAD tagged logits), tact (K x I + IS tagged activations), epoch.
+template <int KC, int KCD, int KCDS, int TI, int TIS, int I, int IS, int H, int E, int K, int ROWS_PAD, int KSPLIT,
+          int NMAX, int TPB, bool SHARED_GATE, int WARPS, int UR, int P, bool TAGS, int FMT, bool OVERLAP, bool TMAP,
+          bool LATE, int VB, int NTOK, bool BROUTE>
+MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restrict__ w13,
+                            const uint4* __restrict__ ws13, const uint4* __restrict__ w2,
+                            const uint4* __restrict__ ws2, const float* __restrict__ s13,
+                            const float* __restrict__ ss13, const float* __restrict__ s2,
+                            const float* __restrict__ ss2, const bf16_t* __restrict__ xr_in,
+                            const bf16_t* __restrict__ x, float* logits, unsigned* gbar,
+                            const float* __restrict__ corr_bias, const float* __restrict__ router_bias,
+                            int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s,
+                            bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch,
+                            unsigned long long* spart, const void* tmaps) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int DSLOTS = K + (KCDS > 0 ? 1 : 0);  // down's operands: the chosen experts, the shared one
+  constexpr int PIECES = K * KCD + KCDS;          // pieces: a block's 16 down rows x 32 K of one chunk (BF16 1 KB,
+                                                  // FP8 512 bytes; FP4 512 bytes: its row group's 32 rows)
+  constexpr int CPU = KC / WARPS;                 // chunks of a gate/up unit per warp
+  constexpr int RC = (KC / KSPLIT + WARPS - 1) / WARPS;  // router chunks per warp and unit
+  constexpr int RTILES = ROWS_PAD / 16;
+  // FMT: BF16, or FP8 block (e4m3 codes, one 16-byte fragment per lane for two k-steps, exact
+  // bf16 through the tensor cores, each 128 x 128 block's scale in fp32; the shared expert's too)
+  // MXFP4 / NVFP4: e2m1 codes, 8 bytes per lane, matrix and chunk (a 16-byte fragment holds a pair
+  // of matrices: gate and up, or down's two tiles of a row group), row scales per 32 (E8M0) or 16
+  // (e4m3, times each matrix's fp32 scale_2) along K. A block asks for its row group's whole run
+  // of each operand (both tiles: 8-byte halves of each lane's fragments, which no copy separates)
+  // and its scales, and multiplies its own tile; the two blocks of a group ask at the same time,
+  // so the second finds the bytes in L2 (or on their way there).
+  // PT8: FP8 per-tensor (ModelOpt FP8: e4m3 codes as FP8 block's, a weight scale and a static input
+  // scale per matrix, s13 [E][gate, up][weight, input], s2 [E][weight, input], ss13 and ss2 without
+  // E). x is quantized by each unit's input scale once a round, into shared memory (s_xq, bf16
+  // holding the e4m3 values exactly), as moe_tensor_quant does for the GEMV path (e4m3(x / s), an
+  // IEEE division per element: in the loop, per chunk, it would bound the kernel on its ALUs); the
+  // codes times those rows are summed in fp32 over all of K and times weight_scale * input_scale
+  // once; the activations are quantized by down's input scale as they are made, and down's sums
+  // times its weight_scale * input_scale once (s_dsc, one per operand).
+  constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK, PT8 = FMT == MOE_W_FP8_TENSOR, C8 = FP8 || PT8;
+  constexpr bool MX = FMT == MOE_W_MXFP4, NV = FMT == MOE_W_NVFP4, FP4 = MX || NV;
+  static_assert(FMT == MOE_W_BF16 || C8 || FP4, "the one-token kernel: BF16, FP8 block or per-tensor, MXFP4 or NVFP4 weights");
+  static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a row group of two tiles, one bulk copy");
+  constexpr int AF = C8 ? 1 : 2;          // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
+  constexpr int GU = FP4 ? 1 : 2 * AF;    // 16-byte fragments per lane of a gate/up chunk, both matrices
+  constexpr int GCU = GU * 32;            // uint4 of a gate/up tile's chunk
+  constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: 16 rows (FP4: the row group's 32) x 32 K
+  constexpr int P16 = FP4 ? 16 : PU4;      // uint4 of 16 rows x 32 K
+  // FP4: bytes of one operand's down scales in shared memory (a chunk's: MX TPB x 16 E8M0, NV TPB x 2
+  // x 16 e4m3; NV then the tiles' scale_2, 16 bytes), and of a gate/up tile's
+  constexpr int SCC = MX ? 32 : 64, KCM = KCD > KCDS ? KCD : KCDS;
+  constexpr int SCB = FP4 ? KCM * SCC + (NV ? 16 : 0) : 16;
+  constexpr u32 SCT = (u32)KC * SCC + (NV ? 16 : 0);
+  constexpr int AUD = AF * TPB;           // 16-byte fragments per lane and chunk of a packed down row group
+  constexpr int KB = KC / 4;              // 128-wide K blocks of gate/up (FP8 scales)
+  constexpr int UNITS = K * TI + TIS;  // gate/up units: 16 rows of one expert
+  // route_one's rules (no expert groups, hash tables, SparseMixer, identity experts or expert
+  // parallelism); the route by the whole block where it fits (route_block; its weights computed
+  // in the down phase)
+  constexpr bool ONE_RULES = !RouteRule::HASH && RouteRule::NGROUP == 1 && RouteRule::SCORE != MOE_SCORE_SPARSEMIXER &&
+                             RouteRule::ZERO == 0 && !RouteRule::EP;
+  constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
+  constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
+  // COLS (VB unit groups, moegen.families.single_cols): down by columns. Group v (block v, or in
+  // rounds where the grid has fewer blocks) takes the gate/up units v, v + VB, ... (nu <= UR). Each
+  // warp's stream holds, besides its chunks of the units' gate/up weights, its row tiles' fragments
+  // of the units' columns of down (a unit's 16 K of every output row): G0, G1, C0, G2, C1, ...,
+  // C(nu - 1), so that unit k's columns arrive once every warp has added its part of unit k's
+  // gate/up (an mbarrier a unit), and are multiplied by its activations (each warp computes them
+  // from the warps' sums) while the next unit streams. A warp's row tiles' sums over the units go
+  // to shared memory, then to the group's partial sum of every output row (tagged words, spart
+  // [VB][NTOK][H]); each block then adds its rows' VB partials in group order.
+  constexpr bool COLS = VB > 0;
+  // SFIRST (COLS with a shared expert): a group's units in the order of the shared expert's TIS
+  // tiles first, then the chosen experts' (slot, tile); a group whose first unit is the shared
+  // expert's issues that unit's first loads before the choices are made (its warps 1.. wait for
+  // warp 0's route only then), so the memory streams while the block routes. H200, 2026-12-01,
+  // N = 1, one process, 10 rounds, the same weights: Qwen3-Next-80B-A3B 25.02 -> 24.34 us,
+  // DeepSeek-V2-Lite 40.00 -> 39.18, Qwen1.5-MoE-A2.7B 39.78 -> 39.50, GLM-4.5-Air 84.35 -> 82.43.
+  // The order alone, every group waiting for the route, was slower (Next 25.17 -> 25.22, V2-Lite
+  // 40.01 -> 40.52), and the shared weights asked for into L2 during the route no faster.
+  constexpr bool SFIRST = COLS && TIS > 0;
+  // BROUTE (COLS, one token, moegen.families.single_block_route): the route by the whole block
+  // (route_block), no warp waiting for another's choices
+  static_assert(!BROUTE || (COLS && NTOK == 1 && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value),
+                "the block's route: down by columns, one token, where route_block takes the rule");
+  // NTOK tokens (COLS): each token's units as at one token. Group v takes units v, v + VB, ... of
+  // every token, as (unit, token) pairs kk = k * NTOK + n in its stream, and keeps each token's sums
+  // apart: a token's sums have the same order whatever the other token and its own index. The
+  // router's products take the tokens as the MMA's columns; warp n routes token n.
+  static_assert(NTOK == 1 || (COLS && NTOK <= 2), "more than one token: down by columns, two at most");
+  constexpr int URT = UR * NTOK;  // (unit, token) pairs a group takes at most
+  constexpr int RT = H / 16, RTW = RT / WARPS, CC = RTW / 4;  // row tiles, a warp's, its column chunks a unit
+  static_assert(!COLS || (FMT == MOE_W_BF16 && TAGS && OVERLAP && !LATE && RTW % 4 == 0),
+                "down by columns: BF16, tagged words, the overlapped route, whole column chunks a warp");
+  static_assert(KC % WARPS == 0, "gate/up chunks split evenly over the warps");
+  // P chunks in flight per warp: a divisor of a unit's (every round of P one unit's or several
+  // whole units'), or (FP4's 512-byte chunks, more of them in flight) any, the rounds past the
+  // last chunk skipped
+  constexpr bool PART = CPU % P != 0;
+  static_assert(K <= 32 && (THREADS / 32) <= 32, "route: one choice per lane");
+  static_assert(DSLOTS <= 32, "one lane per operand's mbarrier (and bulk copy, TPB 1)");
+  static_assert(DSLOTS * 16 <= THREADS, "a thread per operand row in the down sums");
+  static_assert(NACT % 4 == 0, "tagged activations staged 4 at a time");
+  extern __shared__ __align__(128) uint4 dyn[];
+  uint4* pieces = dyn;                              // PIECES x PU4 uint4, in slot (choice) order
+  float* red = reinterpret_cast<float*>(dyn + (COLS ? 0 : PIECES * PU4));
+  __shared__ __align__(8) unsigned long long bar_mem[DSLOTS];  // an mbarrier per operand's pieces
+  // OVERLAP: the route's mbarrier (every choice made), the routing warps' lanes arriving (warp n: token n)
+  __shared__ __align__(8) unsigned long long route_mem[1];
+  // TAGS: the partial logits (route), then the activations (down), staged here
+  constexpr int NLOG = NTOK * KSPLIT * ROWS_PAD, STAGE = TAGS && (COLS || 4 * NLOG > 2 * NACT) ? 4 * NLOG : 2 * NACT;
+  __shared__ __align__(16) unsigned char s_stage[STAGE];
+  // FP8: the block scales of this block's down rows, [operand][128-wide K block]
+  constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
+  // (PT8: each operand's weight_scale * input_scale)
+  __shared__ float s_dsc[FP8 ? DSLOTS * KBD : PT8 ? DSLOTS : 1];
+  // PT8: x quantized by the input scale of each unit of this round (unit k's at k * H)
+  __shared__ __align__(16) bf16_t s_xq[PT8 ? URT * H : 8];
+  // FP4: each operand's down scales (bytes, SCB each), as the packed weights hold them
+  __shared__ __align__(16) unsigned char s_dsc4[FP4 ? DSLOTS * SCB : 16];
+  bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
+  float* s_log = reinterpret_cast<float*>(s_stage);
+  __shared__ int s_ids[K * NTOK];
+  __shared__ float s_cpart[COLS ? NTOK * H : 1];  // COLS: the group's sums of every output row (each warp its row tiles')
+  __shared__ __align__(8) unsigned long long ubar_mem[COLS ? URT : 1];  // COLS: unit k's gate/up summed by every warp
+  __shared__ float s_w[K * NTOK], s_gate[NTOK];
+  // route_block and OVERLAP: the choices' scores; route_block: every expert's score, the shared
+  // gate's logit; OVERLAP: the sum over every expert that route_weights may need
+  __shared__ float s_pick[K * NTOK], s_vall[BLOCK_ROUTE || BROUTE ? E : 1], s_gl, s_all[NTOK];
+  __shared__ u32 s_ep;
+  __shared__ __align__(16) unsigned long long s_cand[32 * NTOK];  // route_one's candidates (its bound: 2+ experts a lane)
+  __shared__ float s_cscore[RouteRule::CORR_BIAS ? 32 * NTOK : 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const u32 bar = (u32)__cvta_generic_to_shared(bar_mem);  // operand s's: bar + 8 * s
+  const u32 rbar = (u32)__cvta_generic_to_shared(route_mem);  // OVERLAP: every choice made
+  const u32 ubar = (u32)__cvta_generic_to_shared(ubar_mem);  // COLS: unit k's: ubar + 8 * k
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
+    if (COLS)
+      for (int k = 0; k < URT; ++k) mbar_init(ubar + 8 * k, THREADS);
+    if (OVERLAP) mbar_init(rbar, 32 * NTOK);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
+  // one tile per packed row group (TPB 1) an operand's rows are one contiguous run. With one copy
+  // per operand (TMAP, TPB 1) and every choice known to every warp (not OVERLAP), lane 0 of warp s
+  // asks for operand s (and lanes of warp s for its FP8 scales): the copies' issue spread over the
+  // warps rather than holding warp 0 (and the last operands' copies) back; otherwise warp 0 asks
+  // for everything.
+  // (FP4: its row group's run of one operand, both tiles: one bulk copy, and one for its scales)
+  constexpr bool WHOLE = TPB == 1 || FP4;
+  constexpr bool SPREAD = (TMAP || WHOLE) && !OVERLAP && DSLOTS <= WARPS;
+  // operand s's pieces of output rows rb: one tensor copy (tile mt of row group `group`) or one bulk copy
+  auto one = [&](int rb, int s) {
+    const int group = rb / TPB, mt = rb % TPB;  // (the tensor maps fenced after the router)
+    const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
+    mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
+    const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
+    if (TMAP) {
+      if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
+      else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
+    } else if (s < K) {
+      bulk_copy(dst, w2 + ((size_t)s_ids[s] * (H / (16 * TPB)) + group) * KCD * PU4, KCD * PU4 * 16, bar + 8 * s);
+    } else {
+      bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
+    }
+    if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+      const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
+      bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
+                reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
+    }
+  };
+  // FP8: the rows' block scales, s2 [E][H/128][I/128], ss2 [H/128][IS/128]
+  auto scales = [&](int rb, int i) {
+    const int s = i / KBD, kb = i % KBD;
+    if (s < K ? kb < I / 128 : kb < IS / 128)
+      cp_async4(s_dsc + i, s < K ? s2 + ((size_t)s_ids[s] * (H / 128) + rb / 8) * (I / 128) + kb
+                                 : ss2 + (size_t)(rb / 8) * (IS / 128) + kb);
+  };
+  // The shared expert's pieces of this block's first output rows do not depend on the route
+  // (EARLY): asked for before it, by the thread that fenced the shared tensor map (or the last
+  // warp's lane 1), while the memory is idle; request() then leaves them out of that group.
+  constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE) && !LATE && !COLS;
+  // this block's output rows rb: every operand
+  // PT8: operand s's down scale (weight_scale * input_scale, as the GEMV path multiplies them)
+  auto scale2 = [&](int s) {
+    const float* p = s < K ? s2 + (size_t)s_ids[s] * 2 : ss2;
+    s_dsc[s] = __ldg(p + 1) * __ldg(p);
+  };
+  auto request = [&](int rb) {
+    const int group = rb / TPB, mt = rb % TPB;
+    const bool skip = EARLY && rb == (int)blockIdx.x;  // operand K's pieces, asked for already
+    if (SPREAD) {
+      if (warp < DSLOTS) {
+        if (lane == 0 && !(skip && warp == K)) one(rb, warp);
+        if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
+        if (PT8 && lane == 0) scale2(warp);
+      }
+      if (FP8) cp_async_commit();
+    } else if (warp == 0) {
+      if (TMAP || WHOLE) {
+        if (lane < DSLOTS && !(skip && lane == K)) one(rb, lane);
+      } else {
+        if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
+        __syncwarp();
+        for (int p = lane; p < PIECES; p += 32) {  // one bulk copy per piece
+          const uint4* src;
+          if (p < K * KCD) {
+            const int j = p / KCD, c = p % KCD;
+            src = w2 + ((((size_t)s_ids[j] * (H / (16 * TPB)) + group) * KCD + c) * AUD + AF * mt) * 32;
+          } else {
+            const int c = p - K * KCD;
+            src = ws2 + (((size_t)group * KCDS + c) * AUD + AF * mt) * 32;
+          }
+          bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
+        }
+      }
+      if (FP8) {
+        for (int i = lane; i < DSLOTS * KBD; i += 32) scales(rb, i);
+        cp_async_commit();
+      }
+      if (PT8 && lane < DSLOTS) scale2(lane);
+    }
+  };
+  // The shared expert's weights do not depend on the route: every block asks for its share of
+  // them (gate/up, down) into L2 while the memory is idle (the asking thread waits while the copy
+  // engine takes the request): with warp 0's route (OVERLAP) once the logits are staged, by a
+  // thread that does not route; otherwise while the block waits for the logits. (Asked for before
+  // the logits were staged, the requests delayed them: Qwen3-Next-80B-A3B N = 1 26.11 -> 25.70 us
+  // after them, H200, 2026-11-30, in one process, the same bits.) Not with down by columns, whose
+  // groups read the shared expert's units from the memory as they read the chosen experts': the
+  // requests, made as the stream starts, only add to it (Qwen3-Next-80B-A3B N = 1 25.76 -> 25.45 us
+  // without them, H200, 2026-12-01, one process, 12 rounds, the same bits).
+  auto shared_to_l2 = [&]() {
+    if (TIS > 0 && threadIdx.x == (WARPS - 2) * 32) {
+      // (EARLY: each block copies its own rows of the shared down weights instead, below)
+      constexpr size_t N13 = (size_t)TIS * KC * GCU, N2 = EARLY ? 0 : (size_t)(H / 16) * KCDS * P16;  // uint4
+      const size_t per = (N13 + N2 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, N13 + N2);
+      if (lo < N13) prefetch_l2(ws13 + lo, (u32)(min(hi, N13) - lo) * 16);
+      if (hi > N13) prefetch_l2(ws2 + (max(lo, N13) - N13), (u32)(hi - max(lo, N13)) * 16);
+    }
+  };
+  // 1. router logits: unit (tile, part): 16 rows x KC/KSPLIT chunks; warps split the chunks.
+  // The first unit's weights are read before the wait: they do not depend on the kernel before.
+  uint4 ra[RC][2];
+  auto router_weights = [&](int u) {
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const uint4* a = wr + ((size_t)(u / KSPLIT) * KC + (u % KSPLIT) * (KC / KSPLIT) + c) * 64 + lane;
+        ra[j][0] = __ldg(a);
+        ra[j][1] = __ldg(a + 32);
+      }
+    }
+  };
+  if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);
+  grid_dep_wait();  // x (and the last call's readers of this workspace) are done
+  // thread 0 asks for the barrier word (its top bit: the phase) or the last call's epoch now, and
+  // waits for it only where it is used (the router's products wait for x meanwhile)
+  unsigned word = 0, phase = 0;
+  if (threadIdx.x == 0)
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(word) : "l"(TAGS ? epoch : gbar) : "memory");
+  for (int u = blockIdx.x; u < RTILES * KSPLIT; u += gridDim.x) {
+    const int tile = u / KSPLIT, part = u % KSPLIT;
+    if (u != (int)blockIdx.x) router_weights(u);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < RC; ++j) {
+      const int c = warp + j * WARPS;
+      if (c < KC / KSPLIT) {
+        const int ck = part * (KC / KSPLIT) + c;
+        const uint4 b = g < NTOK ? *reinterpret_cast<const uint4*>(xr_in + g * H + ck * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        mma_bf16(acc, ra[j][0], b.x, b.y);
+        mma_bf16(acc, ra[j][1], b.z, b.w);
+      }
+    }
+    if (t == 0) {  // token n's logits: column n (lanes t = 0 hold columns 0, 1)
+#pragma unroll
+      for (int n = 0; n < NTOK; ++n) {
+        red[(n * WARPS + warp) * 16 + g] = acc[n];
+        red[(n * WARPS + warp) * 16 + g + 8] = acc[2 + n];
+      }
+    }
+    if (TAGS && threadIdx.x == 0) s_ep = word + 1;  // this call's epoch
+    __syncthreads();
+    if (threadIdx.x < 16 * NTOK) {
+      const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, r = NTOK > 1 ? threadIdx.x & 15 : threadIdx.x;
+      float s = 0.0f;
+      for (int w = 0; w < WARPS; ++w) s += red[(n * WARPS + w) * 16 + r];
+      if (TAGS) {
+        st_tagged(tl + (n * KSPLIT + part) * ROWS_PAD + tile * 16 + r, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
+      } else {
+        logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
+      }
+    }
+    __syncthreads();
+  }
+  if (!OVERLAP) shared_to_l2();
+  // TMAP: the maps (written before the launch) as the tensor copies will see them, fenced by the
+  // last warp while the block waits for the logits (the fence waits about a round trip)
+  if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                 ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
+  if (TAGS) {
+    if (threadIdx.x == 0) s_ep = word + 1;
+    __syncthreads();
+    // (after the block's barrier: the mbarriers' initialization is seen by the copy's thread)
+    if (EARLY && warp == WARPS - 1 && lane == 1 && (int)blockIdx.x < H / 16) one(blockIdx.x, K);
+    // this block has read the epoch (the value was used above): count it, for block 0's advance
+    if (threadIdx.x == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(epoch + 1) : "memory");
+  } else {
+    phase = word & 0x80000000u;
+    grid_barrier(gbar, phase);
+  }
+  const u32 ep = TAGS ? s_ep : 0u;
+
+  // 2. the route, in every block (the same inputs, the same code: the same choices). Slot j of
+  // the expert work is choice j (one token: no grouping).
+  // every partial logit into shared memory, loaded until each is this call's. Where there are more
+  // than threads (PAIRS), two a load, each thread reading again only its pairs that were not:
+  // Qwen3-Next-80B-A3B's 2112 (H200, 2026-11-30, N = 1, one process, the same bits: 25.98 -> 25.74
+  // us); otherwise one a thread, every one read again (with pairs Qwen3-30B-A3B's 512: no change,
+  // its NVFP4 layer 21.19 -> 21.49 us)
+  constexpr bool PAIRS = NLOG > THREADS;
+  if constexpr (TAGS && PAIRS) {
+    static_assert(NLOG % 2 == 0, "tagged logits staged two at a time");
+    constexpr int PER = (NLOG / 2 + THREADS - 1) / THREADS;
+    bool done[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) done[i] = (int)threadIdx.x + i * THREADS >= NLOG / 2;
+    for (;;) {
+      bool stale = false;
+      ulonglong2 q[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if (!done[i]) q[i] = ld_tagged2(tl + 2 * ((int)threadIdx.x + i * THREADS));
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        if (!done[i]) {  // every row of every tile is written each call (padding rows too)
+          done[i] = (u32)(q[i].x >> 32) == ep && (u32)(q[i].y >> 32) == ep;
+          stale |= !done[i];
+          *reinterpret_cast<float2*>(s_log + 2 * ((int)threadIdx.x + i * THREADS)) =
+              make_float2(__uint_as_float((u32)q[i].x), __uint_as_float((u32)q[i].y));
+        }
+      }
+      if (!__syncthreads_or(stale)) break;
+      __nanosleep(64);
+    }
+  } else if constexpr (TAGS) {
+    constexpr int PER = (NLOG + THREADS - 1) / THREADS;
+    for (;;) {
+      bool stale = false;
+      unsigned long long q[PER];
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if ((int)threadIdx.x + i * THREADS < NLOG) q[i] = ld_tagged(tl + threadIdx.x + i * THREADS);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int f = (int)threadIdx.x + i * THREADS;
+        if (f < NLOG) {  // every row of every tile is written each call (padding rows too)
+          stale |= (u32)(q[i] >> 32) != ep;
+          s_log[f] = __uint_as_float((u32)q[i]);
+        }
+      }
+      if (!__syncthreads_or(stale)) break;
+      __nanosleep(64);
+    }
+  }
+  if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
+  if constexpr (ONE_RULES) {
+    if constexpr (BLOCK_ROUTE || BROUTE) {  // the logits staged in shared memory
+      route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
+                                                                           s_vall, &s_gl);
+      if (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
+        __syncthreads();
+        if (warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
+      }
+    } else if (warp < NTOK) {  // the logits staged in shared memory (TAGS) or in L2; warp n: token n
+      const int n = warp;
+      auto after = [&]() {  // OVERLAP: this block's down rows asked for once every expert is chosen
+        if (!LATE && !COLS && (int)blockIdx.x < H / 16) request(blockIdx.x);
+      };
+      route_one<E, K, KSPLIT, TAGS ? (size_t)ROWS_PAD : (size_t)NMAX * ROWS_PAD, TAGS, SHARED_GATE, RouteRule,
+                OVERLAP, decltype(after), SINGLE_BOUND_MIN>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
+                         s_w + n * K, s_gate + n, s_all + n, rbar, after, s_cand + 32 * n,
+                         s_cscore + (RouteRule::CORR_BIAS ? 32 * n : 0));
+      if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
+        __syncwarp();
+        route_weights<K, RouteRule>(s_pick + n * K, s_all[n], s_w + n * K);
+      }
+    }
+  } else {
+    static_assert(!TAGS && !OVERLAP, "tagged logits: route_one's rules");
+    route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, THREADS, RouteRule, false>(
+        logits, corr_bias, router_bias, s_ids, s_w, nullptr, s_gate, nullptr, nullptr, nullptr, nullptr, 1, nullptr,
+        nullptr, nullptr, nullptr, nullptr, false);
+  }
+  static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
+  if (OVERLAP) {  // warps 1..: every choice is written
+    // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
+    // (NTOK > 1: the routing warps too, for the other token's choices)
+    if (!BROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
+  } else {
+    __syncthreads();
+  }
+  grid_dep_launch();  // every block is resident: the next kernel may be scheduled
+  // the call's routing, for inspection (COLS: at the end, with the weights: block 0's warp 0 may
+  // not have waited for the other routing warps' choices here, where the block starts its shared
+  // expert's loads first)
+  if (!COLS && blockIdx.x == 0 && threadIdx.x < K * NTOK) {
+    topk_ids[threadIdx.x] = s_ids[threadIdx.x];
+    if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
+  }
+  // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
+  if (!OVERLAP && !LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
+
+  // 3. gate/up: unit u < K*TI is (slot u / TI, tile u % TI), then the shared expert's tiles (their
+  // weights asked for into L2 before the route, but by columns: the blocks with one unit fewer of
+  // the chosen experts take them)
+  // (COLS: round = unit group u0, its units u0 + k * VB)
+  const int ustride = COLS ? VB : (int)gridDim.x;
+  // (SFIRST) group order: the shared expert's units first, then the chosen experts'
+  auto unit_of = [&](int n) { return SFIRST ? (n < TIS ? K * TI + n : n - TIS) : n; };
+  u32 cpar = 0;  // COLS: the units' mbarriers' phase
+  for (int u0 = blockIdx.x; COLS ? u0 < VB : u0 < UNITS; u0 += COLS ? (int)gridDim.x : UR * (int)gridDim.x) {
+    const int nu = min(UR, (UNITS - u0 + ustride - 1) / ustride);  // units this round
+    const int nuu = nu * NTOK;  // (unit, token) pairs this round (kk = k * NTOK + n; one token: the units)
+    // unit k's weights (ub[k]) and (FP8) its row of gate scales (m = 0; up's follow: s13
+    // [2][E][I/128][H/128], ss13 [2][IS/128][H/128]) or (FP4) its tile's scales (bytes: MX s13
+    // [E][tile][chunk][gate, up][16 rows]; NV per tile [chunk][gate, up][2][16 rows], then the two
+    // scale_2) as an offset (so[k], top bit: the shared expert's), in registers: each load takes
+    // its address from them rather than from the choices in shared memory
+    const uint4* ub[URT];
+    u32 so[URT];
+    auto unit_base = [&](int k) {  // (pair k: unit k / NTOK of token k % NTOK)
+      const int u = unit_of(u0 + (k / NTOK) * ustride);
+      if (u < K * TI) {
+        const int e = s_ids[(k % NTOK) * K + u / TI];
+        ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
+        so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : PT8 ? (u32)e * 4 : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
+      } else {
+        ub[k] = ws13 + (size_t)(u - K * TI) * KC * GCU;
+        so[k] = 0x80000000u | (FP4 ? (u32)(u - K * TI) * SCT : PT8 ? 0u : (u32)((u - K * TI) / 8) * KB);
+      }
+    };
+    auto weights = [&](int k) -> const uint4* {
+      const uint4* r = ub[0];
+#pragma unroll
+      for (int j = 1; j < URT; ++j)
+        if (k == j) r = ub[j];
+      return r;
+    };
+    auto unit_so = [&](int k) -> u32 {
+      u32 o = so[0];
+#pragma unroll
+      for (int j = 1; j < URT; ++j)
+        if (k == j) o = so[j];
+      return o;
+    };
+    // PT8: unit k's matrix m (0 gate, 1 up) scale j (0 weight, 1 input)
+    auto scale_t8 = [&](int k, int m, int j) -> float {
+      const u32 o = unit_so(k);
+      return __ldg((o >> 31 ? ss13 : s13) + (o & 0x7fffffffu) + 2 * m + j);
+    };
+    auto scale13 = [&](int k, int m, int c) -> float {
+      const u32 o = unit_so(k);
+      return __ldg((o >> 31 ? ss13 + (size_t)m * (IS / 128) * KB : s13 + (size_t)m * E * (I / 128) * KB) + (o & 0x7fffffffu) + c / 4);
+    };
+    // FP4: unit k's tile scales (bytes), and the four of chunk c this lane's rows (g, g + 8) take
+    // of gate (m = 0) and up: MX bytes (gate g, gate g+8, up g, up g+8); NV (gate g, up g, gate g+8,
+    // up g+8), as e4m3x4_to_bf16x4 pairs them
+    auto tile_scales = [&](u32 o) {
+      return reinterpret_cast<const unsigned char*>(o >> 31 ? ss13 : s13) + (o & 0x7fffffffu);
+    };
+    auto scales4 = [&](int k, int c) -> u32 {
+      const unsigned char* b = tile_scales(unit_so(k)) + c * SCC;
+      if (MX) return ldg_u8_fill128(b + g) | ldg_u8_fill128(b + g + 8) << 8 | ldg_u8_fill128(b + 16 + g) << 16 | ldg_u8_fill128(b + 24 + g) << 24;
+      b += (t >> 1) * 16 + g;
+      return ldg_u8_fill128(b) | ldg_u8_fill128(b + 32) << 8 | ldg_u8_fill128(b + 8) << 16 | ldg_u8_fill128(b + 40) << 24;
+    };
+    unit_base(0);
+    if constexpr (COLS) {
+      // slot q of this warp's stream: a gate/up chunk (G) or a column chunk (C) of pair k, its i-th
+      const int q_end = nuu * (CPU + CC);
+      auto slot = [&](int q, int& k, int& i) -> bool {  // true: a column chunk
+        if (q < CPU) {
+          k = 0;
+          i = q;
+          return false;
+        }
+        const int r = q - CPU, blk = r / (CPU + CC), off = r % (CPU + CC);
+        if (blk < nuu - 1 && off < CPU) {
+          k = blk + 1;
+          i = off;
+          return false;
+        }
+        k = blk;
+        i = blk < nuu - 1 ? off - CPU : off;
+        return true;
+      };
+      // unit k's column fragment of row tile rt for lane (g, t): the packed down weights' lane (g, 2 h +
+      // t / 2) of k-step t & 1 in the unit's chunk c = j / 2 (h = j & 1): an m16n8k16 A fragment over
+      // the unit's 16 K in the order 4 t + (0, 1), 4 t + (2, 3), whose B is activations 4 t .. 4 t + 3
+      auto col = [&](int k, int rt) -> const uint4* {
+        const int u = unit_of(u0 + (k / NTOK) * VB), j = u < K * TI ? u % TI : u - K * TI, h = j & 1, c = j >> 1;
+        const int grp = rt / TPB, lo = ((rt % TPB) * 2 + (t & 1)) * 32 + g * 4 + 2 * h + (t >> 1);
+        if (u < K * TI)
+          return w2 + (((size_t)s_ids[(k % NTOK) * K + u / TI] * (H / (16 * TPB)) + grp) * KCD + c) * AUD * 32 + lo;
+        return ws2 + ((size_t)grp * KCDS + c) * AUD * 32 + lo;
+      };
+      uint4 buf[P][4];
+      auto load = [&](int q, uint4 (&b)[4]) {
+        if (q < q_end) {
+          int k, i;
+          if (slot(q, k, i)) {
+#pragma unroll
+            for (int f = 0; f < 4; ++f) b[f] = ld_stream_fill64(col(k, warp + (i * 4 + f) * WARPS));
+          } else {
+            const uint4* a = weights(k) + (size_t)(warp + i * WARPS) * GCU + lane;
+#pragma unroll
+            for (int f = 0; f < 4; ++f) b[f] = __ldcs(a + f * 32);
+          }
+        }
+      };
+      static_assert(!SFIRST || P <= CPU, "the first round of loads: the first unit's");
+      if (SFIRST && u0 < TIS) {  // the shared expert's unit: its first loads, then the choices
+#pragma unroll
+        for (int s = 0; s < P; ++s) load(s, buf[s]);
+        if (!BROUTE && (NTOK > 1 || warp != 0)) mbar_wait(rbar, 0);
+#pragma unroll
+        for (int k = 1; k < URT; ++k)
+          if (k < nuu) unit_base(k);
+      } else {
+#pragma unroll
+        for (int k = 1; k < URT; ++k)
+          if (k < nuu) unit_base(k);
+#pragma unroll
+        for (int s = 0; s < P; ++s) load(s, buf[s]);
+      }
+      float acc[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+      uint2 cb = make_uint2(0u, 0u);  // the column unit's activations (lanes g = 0) and weight
+      float cw = 0.0f;
+      for (int q0 = 0; q0 < q_end; q0 += P) {
+#pragma unroll
+        for (int s = 0; s < P; ++s) {
+          const int q = q0 + s;
+          if (q >= q_end) break;
+          int k, i;
+          const bool is_col = slot(q, k, i);
+          if (is_col) {
+            if (i == 0) {  // unit k's activations from every warp's sums, in warp order (each warp computes them)
+              mbar_wait(ubar + 8 * k, cpar);
+              const int u = unit_of(u0 + (k / NTOK) * VB), n = k % NTOK;
+              u32 a = 0;
+              if (lane < 16) {
+                float gv = 0.0f, uv = 0.0f;
+                for (int w = 0; w < WARPS; ++w) {
+                  gv += red[(k * WARPS + w) * 32 + lane];
+                  uv += red[(k * WARPS + w) * 32 + 16 + lane];
+                }
+                a = (u32)(u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv)));
+              }
+              const u32 a0 = __shfl_sync(0xffffffffu, a, 4 * t), a1 = __shfl_sync(0xffffffffu, a, 4 * t + 1);
+              const u32 a2 = __shfl_sync(0xffffffffu, a, 4 * t + 2), a3 = __shfl_sync(0xffffffffu, a, 4 * t + 3);
+              cb = g == 0 ? make_uint2(a0 | a1 << 16, a2 | a3 << 16) : make_uint2(0u, 0u);
+              cw = u < K * TI ? s_w[n * K + u / TI] : (SHARED_GATE ? s_gate[n] : 1.0f);
+            }
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+              float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_bf16(tmp, buf[s][f], cb.x, cb.y);
+              if (t == 0) {  // rows g, g + 8 of row tile rt: the units in order, each times its weight
+                float* y = s_cpart + (k % NTOK) * H + (warp + (i * 4 + f) * WARPS) * 16 + g;
+                y[0] = k < NTOK ? cw * tmp[0] : fmaf(cw, tmp[0], y[0]);
+                y[8] = k < NTOK ? cw * tmp[2] : fmaf(cw, tmp[2], y[8]);
+              }
+            }
+          } else {
+            const int c = warp + i * WARPS;
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + (k % NTOK) * H + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+              mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+            }
+          }
+          load(q + P, buf[s]);
+          if (!is_col && i == CPU - 1) {  // the end of unit k's gate/up: this warp's sums, its arrival
+            if (t == 0) {
+              float* rk = red + (k * WARPS + warp) * 32;
+#pragma unroll
+              for (int m = 0; m < 2; ++m) {
+                rk[m * 16 + g] = acc[m][0];
+                rk[m * 16 + g + 8] = acc[m][2];
+              }
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+            mbar_arrive(ubar + 8 * k);
+          }
+        }
+      }
+      cpar ^= 1;
+      if (t == 0) {  // this group's partial sums of this warp's row tiles (its own writes)
+        const unsigned long long tag = (unsigned long long)ep << 32;
+#pragma unroll 1
+        for (int rt = warp; rt < RT; rt += WARPS)
+#pragma unroll
+          for (int n = 0; n < NTOK; ++n) {  // spart [VB][NTOK][H]
+            unsigned long long* o = spart + ((size_t)u0 * NTOK + n) * H + rt * 16 + g;
+            st_tagged(o, tag | __float_as_uint(s_cpart[n * H + rt * 16 + g]));
+            st_tagged(o + 8, tag | __float_as_uint(s_cpart[n * H + rt * 16 + g + 8]));
+          }
+      }
+      if (u0 + (int)gridDim.x < VB) __syncthreads();  // (fewer blocks than groups) red and the mbarriers again
+      continue;
+    }
+    // this warp's stream: unit k's chunks warp, warp + WARPS, ... (CPU of them), P in flight (with
+    // their FP8 or FP4 scales)
+    const int q_end = nu * CPU;
+    uint4 buf[P][GU];
+    float scl[P][2];
+    u32 sq[P];
+    auto load = [&](int q, uint4 (&b)[GU], float (&sc)[2], u32& s4) {
+      if (q < q_end) {
+        const int c = warp + (q % CPU) * WARPS;
+        const uint4* a = weights(q / CPU) + (size_t)c * GCU + lane;
+#pragma unroll
+        for (int f = 0; f < GU; ++f) b[f] = __ldcs(a + f * 32);
+        if (FP8) {
+#pragma unroll
+          for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
+        }
+        if (FP4) s4 = scales4(q / CPU, c);
+      }
+    };
+    constexpr int P0 = P < CPU ? P : CPU;  // the first round's loads of the first unit
+#pragma unroll
+    for (int s = 0; s < P0; ++s) load(s, buf[s], scl[s], sq[s]);
+#pragma unroll
+    for (int k = 1; k < UR; ++k)
+      if (k < nu) unit_base(k);
+#pragma unroll
+    for (int s = P0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);  // (P past a unit's chunks) the next units'
+    if constexpr (PT8) {  // x by each unit's input scale (gate's, equal to up's: the loader checks), its loads in flight
+      for (int k = 0; k < nu; ++k) {
+        const float s = scale_t8(k, 0, 1);
+        for (int i = threadIdx.x; i < H / 8; i += THREADS) {
+          const uint4 v = reinterpret_cast<const uint4*>(x)[i];
+          reinterpret_cast<uint4*>(s_xq + k * H)[i] =
+              make_uint4(quant_e4m3x2(v.x, s), quant_e4m3x2(v.y, s), quant_e4m3x2(v.z, s), quant_e4m3x2(v.w, s));
+        }
+      }
+      __syncthreads();
+    }
+    float acc[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+    const int q_ask = (q_end - 1) / P * P;  // LATE: the last round, whose start asks for the down rows
+    for (int q0 = 0; q0 < q_end; q0 += P) {
+      if (LATE && q0 == q_ask && u0 == (int)blockIdx.x && (int)blockIdx.x < H / 16) request(blockIdx.x);
+#pragma unroll
+      for (int s = 0; s < P; ++s) {
+        const int q = q0 + s, c = warp + (q % CPU) * WARPS;
+        if (PART && q >= q_end) break;
+        const uint4 b = g != 0 ? make_uint4(0, 0, 0, 0)
+                         : *reinterpret_cast<const uint4*>((PT8 ? s_xq + (q / CPU) * H : x) + c * 32 + t * 8);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          if (MX) {  // gate's k-steps in x, y; up's in z, w
+            mx_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, (sq[s] >> (16 * m)) & 0xffu,
+                   (sq[s] >> (16 * m + 8)) & 0xffu);
+          } else if (NV) {
+            const uint2 sc = e4m3x4_to_bf16x4(sq[s]);  // (gate g, gate g + 8), (up g, up g + 8)
+            nv_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, m ? sc.y : sc.x);
+          } else if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+            uint4 k0, k1;
+            e4m3x16_to_bf16(buf[s][m], k0, k1);
+            float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(tmp, k0, b.x, b.y);
+            mma_bf16(tmp, k1, b.z, b.w);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
+          } else if (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
+            uint4 k0, k1;
+            e4m3x16_to_bf16(buf[s][m], k0, k1);
+            mma_bf16(acc[m], k0, b.x, b.y);
+            mma_bf16(acc[m], k1, b.z, b.w);
+          } else {
+            mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
+            mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
+          }
+        }
+        load(q + P, buf[s], scl[s], sq[s]);
+        if ((q + 1) % CPU == 0) {  // the end of unit q / CPU: this warp's partial sums
+          if (t == 0) {
+            float* rk = red + ((q / CPU) * WARPS + warp) * 32;
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              rk[m * 16 + g] = acc[m][0];
+              rk[m * 16 + g + 8] = acc[m][2];
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][r] = 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < nu * 16) {  // unit k, row r: the warps' sums in warp order, the activation
+      const int k = threadIdx.x >> 4, r = threadIdx.x & 15, u = u0 + k * gridDim.x;
+      float gv = 0.0f, uv = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        gv += red[(k * WARPS + w) * 32 + r];
+        uv += red[(k * WARPS + w) * 32 + 16 + r];
+      }
+      if (NV) {  // the tile's scale_2 of gate and up (after its scales)
+        const float* s2t = reinterpret_cast<const float*>(tile_scales(unit_so(k)) + KC * SCC);
+        gv *= __ldg(s2t);
+        uv *= __ldg(s2t + 1);
+      }
+      if (PT8) {  // input_scale * weight_scale, once
+        gv *= scale_t8(k, 0, 1) * scale_t8(k, 0, 0);
+        uv *= scale_t8(k, 1, 1) * scale_t8(k, 1, 0);
+      }
+      bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      if (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
+      const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
+      if (TAGS) {
+        st_tagged(tact + idx, (ep << 16) | (u32)a);
+      } else if (u < K * TI) {
+        act[idx] = a;
+      } else {
+        act_s[idx - K * I] = a;
+      }
+    }
+    __syncthreads();
+  }
+  if (LATE && (int)blockIdx.x >= UNITS && (int)blockIdx.x < H / 16) request(blockIdx.x);  // (a block without units)
+  if (!TAGS) grid_barrier(gbar, phase);
+
+  if constexpr (COLS) {
+    // 4. (COLS) block b's output rows 16 rb .. 16 rb + 15, rb = b, b + blocks, ...: each row's VB
+    // partials loaded until every one is this call's; thread (j0, r) adds groups j0, j0 + JW, ...
+    // in order, then row r adds the JW sums in order: a fixed order for every grid.
+    // (NTOK: every token's rows alike, spart [VB][NTOK][H], out [NTOK][H])
+    if (blockIdx.x == 0 && threadIdx.x < K * NTOK) {  // for inspection (block 0 has a unit: its mbarriers
+      topk_ids[threadIdx.x] = s_ids[threadIdx.x];        // ordered every routing warp's writes before these reads)
+      topk_w[threadIdx.x] = s_w[threadIdx.x];
+    }
+    constexpr int JW = THREADS / 16, PV = (VB + JW - 1) / JW;
+    const int r = threadIdx.x & 15, j0 = threadIdx.x >> 4;
+    for (int rb = blockIdx.x; rb < RT; rb += gridDim.x) {
+      float v[NTOK][PV];
+      bool done[NTOK][PV];
+#pragma unroll
+      for (int n = 0; n < NTOK; ++n)
+#pragma unroll
+        for (int i = 0; i < PV; ++i) {
+          done[n][i] = j0 + i * JW >= VB;
+          v[n][i] = 0.0f;
+        }
+      for (;;) {
+        bool stale = false;
+        unsigned long long q[NTOK][PV];
+#pragma unroll
+        for (int n = 0; n < NTOK; ++n)
+#pragma unroll
+          for (int i = 0; i < PV; ++i)
+            if (!done[n][i]) q[n][i] = ld_tagged(spart + ((size_t)(j0 + i * JW) * NTOK + n) * H + rb * 16 + r);
+#pragma unroll
+        for (int n = 0; n < NTOK; ++n)
+#pragma unroll
+          for (int i = 0; i < PV; ++i) {
+            if (!done[n][i]) {
+              done[n][i] = (u32)(q[n][i] >> 32) == ep;
+              stale |= !done[n][i];
+              v[n][i] = __uint_as_float((u32)q[n][i]);
+            }
+          }
+        if (!__syncthreads_or(stale)) break;
+        __nanosleep(64);
+      }
+#pragma unroll
+      for (int n = 0; n < NTOK; ++n) {
+        float y = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PV; ++i)
+          if (j0 + i * JW < VB) y += v[n][i];
+        red[(n * JW + j0) * 16 + r] = y;
+      }
+      __syncthreads();
+      if (threadIdx.x < 16 * NTOK) {
+        const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, rr = NTOK > 1 ? (unsigned)r : threadIdx.x;
+        float o = 0.0f;
+        for (int j = 0; j < JW; ++j) o += red[(n * JW + j) * 16 + rr];
+        out[n * H + rb * 16 + rr] = f32_to_bf16(o);
+      }
+      __syncthreads();
+    }
+  } else {
+
+  // 4. down + the weighted sum, 16 output rows at a time. The activations are staged in shared
+  // memory by the whole block: (TAGS) loaded until every one carries this call's epoch (each
+  // thread reading again only its quads that did not), or copied from L2 (other blocks wrote
+  // them, before the barrier).
+  if ((int)blockIdx.x < H / 16) {
+    if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
+    if (TAGS) {
+      constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
+      const u32 want = ep & 0xffffu;
+      if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
+      if (OVERLAP && warp == 0) route_weights<K, RouteRule>(s_pick, s_all[0], s_w);
+      bool done[PER];  // this thread's quads that carry the epoch (staged): not read again
+#pragma unroll
+      for (int i = 0; i < PER; ++i) done[i] = (int)threadIdx.x + i * THREADS >= NACT / 4;
+      for (;;) {
+        bool stale = false;
+        uint4 q[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+          if (!done[i]) q[i] = ld_tagged4(tact + 4 * ((int)threadIdx.x + i * THREADS));
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          if (!done[i]) {
+            done[i] = (q[i].x >> 16) == want && (q[i].y >> 16) == want && (q[i].z >> 16) == want && (q[i].w >> 16) == want;
+            stale |= !done[i];
+            *reinterpret_cast<uint2*>(s_act + 4 * ((int)threadIdx.x + i * THREADS)) =
+                make_uint2((q[i].x & 0xffffu) | (q[i].y << 16), (q[i].z & 0xffffu) | (q[i].w << 16));
+          }
+        }
+        if (!__syncthreads_or(stale)) break;
+        __nanosleep(64);
+      }
+    } else {
+      static_assert(I % 8 == 0 && IS % 8 == 0, "activations copied 8 at a time");
+      for (int v = threadIdx.x; v < NACT / 8; v += THREADS)
+        reinterpret_cast<uint4*>(s_act)[v] = __ldcg(reinterpret_cast<const uint4*>(8 * v < K * I ? act + 8 * v : act_s + (8 * v - K * I)));
+      __syncthreads();
+    }
+    if ((BLOCK_ROUTE || OVERLAP) && blockIdx.x == 0 && threadIdx.x < K) topk_w[threadIdx.x] = s_w[threadIdx.x];  // for inspection
+  }
+  constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // BF16: pieces a warp may get
+  constexpr int CWM = CW > CWS ? CW : CWS;
+  constexpr bool RUNS = C8 || FP4;  // FP8, FP4: a warp's pieces a run of PPW consecutive ones, NACC in flight
+  constexpr int PPW = (PIECES + WARPS - 1) / WARPS, NACC = 4;
+  u32 parity = 0;
+  for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
+    if (rb != (int)blockIdx.x) {  // a later group (fewer blocks than row groups): request it now
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
+      __syncthreads();
+      request(rb);
+      if (FP8) {
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+    }
+    // BF16: warp w takes the pieces p = w, w + WARPS, ... of each operand's run (p = s * KCD + c),
+    // one operand at a time, its own accumulator. Each operand's pieces are waited for just before
+    // its loads. Measured on the H200 (2026-11-30, N = 1, in one process, the same bits; with the
+    // re-reads of stale activations only, above) against the groups of 4 to 8 operands unrolled
+    // before: Qwen3-Next-80B-A3B 26.73 -> 26.10 us, Qwen3-30B-A3B 26.44 -> 26.11.
+    // FP8 and FP4 (RUNS): warp w takes the run of PPW consecutive pieces of the flattened list from
+    // w * PPW (each operand's pieces in it waited for once: one or two operands where PPW <= KCD), NACC pieces' products in
+    // their own accumulators, added in a fixed order at the operand's end: fewer waits and dependent
+    // products a warp. On the H200 (2026-11-30, N = 1, one process, 12 interleaved rounds, the same
+    // weights; against one operand at a time, FP4 two): Qwen3-30B-A3B-FP8 18.97 -> 18.43 and 19.04 ->
+    // 18.89 us, -NVFP4 20.52 -> 20.24 and 20.70 -> 20.35, -MXFP4 20.75 -> 20.20. The same for BF16
+    // measured slower (Qwen3-30B-A3B 25.67 -> 25.78, Qwen3-Next-80B-A3B 25.07 -> 25.15 us), and
+    // reading a run's first 4-8 pieces into registers before the activations' poll slower still
+    // (25.68 -> 26.10-26.80 us).
+    const int mt = rb % TPB;  // FP4: this block's tile of the row group
+    if constexpr (RUNS) {
+      const int p_end = min((warp + 1) * PPW, PIECES);
+#pragma unroll 1
+      for (int p = warp * PPW; p < p_end;) {  // one operand's pieces of this warp's run
+        const int s = p < K * KCD ? p / KCD : K, base = s * KCD;
+        const int q_end = min(p_end, s < K ? base + KCD : PIECES);
+        mbar_wait(bar + 8 * s, parity);
+        float o[NACC][4];
+#pragma unroll
+        for (int j = 0; j < NACC; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[j][r] = 0.0f;
+#pragma unroll 1
+        for (int q = p; q < q_end; q += NACC) {
+#pragma unroll
+          for (int j = 0; j < NACC; ++j) {
+            if (q + j < q_end) {
+              const int c = q + j - base;
+              const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+              const uint4 w = pieces[(q + j) * PU4 + lane];
+              if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+                const u32 q0 = mt ? w.z : w.x, q1 = mt ? w.w : w.y;
+                const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
+                if (MX) {
+                  mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
+                } else {
+                  const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
+                  nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
+                }
+              } else if (PT8) {  // summed over all of K, scaled once (below)
+                uint4 k0, k1;
+                e4m3x16_to_bf16(w, k0, k1);
+                mma_bf16(o[j], k0, b.x, b.y);
+                mma_bf16(o[j], k1, b.z, b.w);
+              } else {
+                uint4 k0, k1;
+                e4m3x16_to_bf16(w, k0, k1);
+                float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16(tmp, k0, b.x, b.y);
+                mma_bf16(tmp, k1, b.z, b.w);
+                const float sc = s_dsc[s * KBD + c / 4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) o[j][r] = fmaf(sc, tmp[r], o[j][r]);
+              }
+            }
+          }
+        }
+        if (t == 0) {
+          float y0 = o[0][0], y2 = o[0][2];
+#pragma unroll
+          for (int j = 1; j < NACC; ++j) {
+            y0 += o[j][0];
+            y2 += o[j][2];
+          }
+          red[(warp * DSLOTS + s) * 16 + g] = y0;
+          red[(warp * DSLOTS + s) * 16 + g + 8] = y2;
+        }
+        p = q_end;
+      }
+    } else {
+#pragma unroll 1
+      for (int s = 0; s < DSLOTS; ++s) {
+        const int base = s * KCD, kcd = s < K ? KCD : KCDS;
+        const int c0 = ((warp - base) % WARPS + WARPS) % WARPS;
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mbar_wait(bar + 8 * s, parity);
+#pragma unroll
+        for (int i = 0; i < CWM; ++i) {
+          const int c = c0 + i * WARPS;
+          if (c < kcd) {
+            const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+            mma_bf16(o, pieces[(base + c) * PU4 + lane], b.x, b.y);
+            mma_bf16(o, pieces[(base + c) * PU4 + lane + 32], b.z, b.w);
+          }
+        }
+        if (t == 0) {
+          red[(warp * DSLOTS + s) * 16 + g] = o[0];
+          red[(warp * DSLOTS + s) * 16 + g + 8] = o[2];
+        }
+      }
+    }
+    parity ^= 1;
+    __syncthreads();
+    float* ys = red + WARPS * DSLOTS * 16;  // each operand's rows: its warps' sums in warp order
+    if (threadIdx.x < DSLOTS * 16) {
+      const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
+      float y = 0.0f;
+      if constexpr (RUNS) {  // operand s's pieces b0 .. b1 - 1 lie in the runs of warps b0 / PPW .. (b1 - 1) / PPW
+        const int b0 = s * KCD, b1 = s < K ? b0 + KCD : PIECES;
+        for (int w = b0 / PPW; w <= (b1 - 1) / PPW; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      } else {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
+      }
+      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
+      if (PT8) y *= s_dsc[s];  // weight_scale * input_scale
+      ys[s * 16 + r] = y;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {  // row r: the choices in order, then the shared expert
+      const int r = threadIdx.x;
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
+      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
+      out[rb * 16 + r] = f32_to_bf16(acc);
+    }
+    __syncthreads();
+  }
+  }  // (not COLS)
+  if (TAGS && blockIdx.x == 0 && threadIdx.x == 0) {  // every block has read the epoch: advance it
+    u32 n;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(epoch + 1) : "memory");
+    } while (n < gridDim.x);
+    epoch[1] = 0;
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(epoch), "r"(ep) : "memory");
+  }
+}
 
 // ---- pack family: Hugging Face row-major weights -> the GEMV tile layout, on the device ----
 // MATS source tensors [E][R][K] bf16 become [E][R_pad/16][K/32][MATS][2][32][8] (see TileGemv):
@@ -2656,7 +3902,7 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
@@ -2667,14 +3913,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scor
   route_kernel_body<128, 128, 8, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
-// router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
+// one token in one launch: router (8 tiles x 4 parts), route in every block, gate/up (8 x 48 tiles), down from shared memory (16 rows a block) + weighted sum; tagged words
 #if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h2048_i768_k8_ks4_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u3_ov_tmap_late_fp8_tensor_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
+  single_body<64, 24, 0, 48, 0, 768, 0, 2048, 128, 8, 128, 4, 16384, 2, false, 16, 3, 4, true, MOE_W_FP8_TENSOR, true, true, true, 0, 1, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
+}
+#endif
+// router: 128 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt1_n16384_route_e128_k8_softmax_scores_renorm_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 128, 16384, true, 128, 8, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // x quantized by the FP8 per-tensor input scales, a row per routed pair / token
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_tensor_quant_h2048_r_sm_90a(const bf16_t* __restrict__ x, const float* __restrict__ s13, const float* __restrict__ ss13, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ xt, bf16_t* __restrict__ xt_s, int n) {
   tensor_quant_body<2048, true, false>(x, s13, ss13, num_slots, slot_expert, slot_begin, slot_token, xt, xt_s, n);
 }
@@ -2692,13 +3944,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt2_fp8_tensor_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx, const bf16_t* __restrict__ xt, const bf16_t* __restrict__ xt_s, const float* __restrict__ s2, const float* __restrict__ ss2) {
   gate_up_body<64, 2, 2, 4, 6, 6, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx, xt, xt_s, s2, ss2);
 }
@@ -2710,7 +3962,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // gate/up + silu_gated: expert slots x 48 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt4_fp8_tensor_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx, const bf16_t* __restrict__ xt, const bf16_t* __restrict__ xt_s, const float* __restrict__ s2, const float* __restrict__ ss2) {
   gate_up_body<64, 4, 4, 4, 4, 4, 48, 0, 768, 1, MOE_W_FP8_TENSOR, MOE_W_BF16, 128>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx, xt, xt_s, s2, ss2);
 }
@@ -2722,31 +3974,31 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt
 }
 #endif
 // router: 128 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 128, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 128, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 128, 1152, first, tiles);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
 #endif
 // prefill: each routed row of x quantized by its expert's static input scale, in the packed K order (FP8 per-tensor)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h2048_fp8t_sm_90a(const bf16_t* __restrict__ x, int* __restrict__ tok, int* __restrict__ tiles, const float* __restrict__ s13, bf16_t* __restrict__ xp) {
   prefill_quant_tile_body<true>(x, tok, tiles, s13, 4, xp, 2048, blockIdx.y, blockIdx.x * 256 + threadIdx.x);
 }
@@ -2758,7 +4010,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e128_k8_h2
 }
 #endif
 // prefill: H' quantized in place by each row's expert's down input scale (FP8 per-tensor)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i768_fp8t_sm_90a(bf16_t* h, int* __restrict__ tiles, const float* __restrict__ s2) {
   prefill_quant_tile_body<false>(h, nullptr, tiles, s2, 2, h, 768, blockIdx.y, blockIdx.x * 256 + threadIdx.x);
 }
@@ -2770,7 +4022,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e128_k8_h2048
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
 }

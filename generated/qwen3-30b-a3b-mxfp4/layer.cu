@@ -1852,7 +1852,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 // epoch, and the workspace starts zeroed (epoch 0, never a call's).
 //
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
-// BF16, FP8 block, MXFP4 or NVFP4 weights (the shared expert in the routed experts' format), no
+// BF16, FP8 block or per-tensor, MXFP4 or NVFP4 weights (the shared expert in the routed experts' format), no
 // expert parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives
 // this kernel only such layers, and the shapes it fits.
 
@@ -2091,11 +2091,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // of each operand (both tiles: 8-byte halves of each lane's fragments, which no copy separates)
   // and its scales, and multiplies its own tile; the two blocks of a group ask at the same time,
   // so the second finds the bytes in L2 (or on their way there).
-  constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK;
+  // PT8: FP8 per-tensor (ModelOpt FP8: e4m3 codes as FP8 block's, a weight scale and a static input
+  // scale per matrix, s13 [E][gate, up][weight, input], s2 [E][weight, input], ss13 and ss2 without
+  // E). x is quantized by each unit's input scale once a round, into shared memory (s_xq, bf16
+  // holding the e4m3 values exactly), as moe_tensor_quant does for the GEMV path (e4m3(x / s), an
+  // IEEE division per element: in the loop, per chunk, it would bound the kernel on its ALUs); the
+  // codes times those rows are summed in fp32 over all of K and times weight_scale * input_scale
+  // once; the activations are quantized by down's input scale as they are made, and down's sums
+  // times its weight_scale * input_scale once (s_dsc, one per operand).
+  constexpr bool FP8 = FMT == MOE_W_FP8_BLOCK, PT8 = FMT == MOE_W_FP8_TENSOR, C8 = FP8 || PT8;
   constexpr bool MX = FMT == MOE_W_MXFP4, NV = FMT == MOE_W_NVFP4, FP4 = MX || NV;
-  static_assert(FMT == MOE_W_BF16 || FP8 || FP4, "the one-token kernel: BF16, FP8 block, MXFP4 or NVFP4 weights");
+  static_assert(FMT == MOE_W_BF16 || C8 || FP4, "the one-token kernel: BF16, FP8 block or per-tensor, MXFP4 or NVFP4 weights");
   static_assert(!FP4 || (TPB == 2 && !TMAP), "FP4: a row group of two tiles, one bulk copy");
-  constexpr int AF = FP8 ? 1 : 2;         // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
+  constexpr int AF = C8 ? 1 : 2;          // 16-byte A fragments per lane, matrix and chunk (BF16, FP8)
   constexpr int GU = FP4 ? 1 : 2 * AF;    // 16-byte fragments per lane of a gate/up chunk, both matrices
   constexpr int GCU = GU * 32;            // uint4 of a gate/up tile's chunk
   constexpr int PU4 = FP4 ? 32 : AF * 32;  // uint4 of a piece: 16 rows (FP4: the row group's 32) x 32 K
@@ -2167,7 +2175,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   __shared__ __align__(16) unsigned char s_stage[STAGE];
   // FP8: the block scales of this block's down rows, [operand][128-wide K block]
   constexpr int KBD = ((KCD > KCDS ? KCD : KCDS) + 3) / 4;
-  __shared__ float s_dsc[FP8 ? DSLOTS * KBD : 1];
+  // (PT8: each operand's weight_scale * input_scale)
+  __shared__ float s_dsc[FP8 ? DSLOTS * KBD : PT8 ? DSLOTS : 1];
+  // PT8: x quantized by the input scale of each unit of this round (unit k's at k * H)
+  __shared__ __align__(16) bf16_t s_xq[PT8 ? URT * H : 8];
   // FP4: each operand's down scales (bytes, SCB each), as the packed weights hold them
   __shared__ __align__(16) unsigned char s_dsc4[FP4 ? DSLOTS * SCB : 16];
   bf16_t* s_act = reinterpret_cast<bf16_t*>(s_stage);
@@ -2234,6 +2245,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // warp's lane 1), while the memory is idle; request() then leaves them out of that group.
   constexpr bool EARLY = TAGS && KCDS > 0 && (TMAP || WHOLE) && !LATE && !COLS;
   // this block's output rows rb: every operand
+  // PT8: operand s's down scale (weight_scale * input_scale, as the GEMV path multiplies them)
+  auto scale2 = [&](int s) {
+    const float* p = s < K ? s2 + (size_t)s_ids[s] * 2 : ss2;
+    s_dsc[s] = __ldg(p + 1) * __ldg(p);
+  };
   auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
     const bool skip = EARLY && rb == (int)blockIdx.x;  // operand K's pieces, asked for already
@@ -2241,6 +2257,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (warp < DSLOTS) {
         if (lane == 0 && !(skip && warp == K)) one(rb, warp);
         if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
+        if (PT8 && lane == 0) scale2(warp);
       }
       if (FP8) cp_async_commit();
     } else if (warp == 0) {
@@ -2265,6 +2282,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         for (int i = lane; i < DSLOTS * KBD; i += 32) scales(rb, i);
         cp_async_commit();
       }
+      if (PT8 && lane < DSLOTS) scale2(lane);
     }
   };
   // The shared expert's weights do not depend on the route: every block asks for its share of
@@ -2483,10 +2501,10 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (u < K * TI) {
         const int e = s_ids[(k % NTOK) * K + u / TI];
         ub[k] = w13 + ((size_t)e * TI + u % TI) * KC * GCU;
-        so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
+        so[k] = FP4 ? ((u32)e * TI + u % TI) * SCT : PT8 ? (u32)e * 4 : ((u32)e * (I / 128) + (u % TI) / 8) * KB;
       } else {
         ub[k] = ws13 + (size_t)(u - K * TI) * KC * GCU;
-        so[k] = 0x80000000u | (FP4 ? (u32)(u - K * TI) * SCT : (u32)((u - K * TI) / 8) * KB);
+        so[k] = 0x80000000u | (FP4 ? (u32)(u - K * TI) * SCT : PT8 ? 0u : (u32)((u - K * TI) / 8) * KB);
       }
     };
     auto weights = [&](int k) -> const uint4* {
@@ -2502,6 +2520,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       for (int j = 1; j < URT; ++j)
         if (k == j) o = so[j];
       return o;
+    };
+    // PT8: unit k's matrix m (0 gate, 1 up) scale j (0 weight, 1 input)
+    auto scale_t8 = [&](int k, int m, int j) -> float {
+      const u32 o = unit_so(k);
+      return __ldg((o >> 31 ? ss13 : s13) + (o & 0x7fffffffu) + 2 * m + j);
     };
     auto scale13 = [&](int k, int m, int c) -> float {
       const u32 o = unit_so(k);
@@ -2689,6 +2712,17 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       if (k < nu) unit_base(k);
 #pragma unroll
     for (int s = P0; s < P; ++s) load(s, buf[s], scl[s], sq[s]);  // (P past a unit's chunks) the next units'
+    if constexpr (PT8) {  // x by each unit's input scale (gate's, equal to up's: the loader checks), its loads in flight
+      for (int k = 0; k < nu; ++k) {
+        const float s = scale_t8(k, 0, 1);
+        for (int i = threadIdx.x; i < H / 8; i += THREADS) {
+          const uint4 v = reinterpret_cast<const uint4*>(x)[i];
+          reinterpret_cast<uint4*>(s_xq + k * H)[i] =
+              make_uint4(quant_e4m3x2(v.x, s), quant_e4m3x2(v.y, s), quant_e4m3x2(v.z, s), quant_e4m3x2(v.w, s));
+        }
+      }
+      __syncthreads();
+    }
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -2701,7 +2735,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       for (int s = 0; s < P; ++s) {
         const int q = q0 + s, c = warp + (q % CPU) * WARPS;
         if (PART && q >= q_end) break;
-        const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(x + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+        const uint4 b = g != 0 ? make_uint4(0, 0, 0, 0)
+                         : *reinterpret_cast<const uint4*>((PT8 ? s_xq + (q / CPU) * H : x) + c * 32 + t * 8);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           if (MX) {  // gate's k-steps in x, y; up's in z, w
@@ -2718,6 +2753,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             mma_bf16(tmp, k1, b.z, b.w);
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
+          } else if (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
+            uint4 k0, k1;
+            e4m3x16_to_bf16(buf[s][m], k0, k1);
+            mma_bf16(acc[m], k0, b.x, b.y);
+            mma_bf16(acc[m], k1, b.z, b.w);
           } else {
             mma_bf16(acc[m], buf[s][2 * m], b.x, b.y);
             mma_bf16(acc[m], buf[s][2 * m + 1], b.z, b.w);
@@ -2753,7 +2793,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         gv *= __ldg(s2t);
         uv *= __ldg(s2t + 1);
       }
-      const bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      if (PT8) {  // input_scale * weight_scale, once
+        gv *= scale_t8(k, 0, 1) * scale_t8(k, 0, 0);
+        uv *= scale_t8(k, 1, 1) * scale_t8(k, 1, 0);
+      }
+      bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
+      if (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
       const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
       if (TAGS) {
         st_tagged(tact + idx, (ep << 16) | (u32)a);
@@ -2871,7 +2916,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   }
   constexpr int CW = (KCD + WARPS - 1) / WARPS, CWS = (KCDS + WARPS - 1) / WARPS;  // BF16: pieces a warp may get
   constexpr int CWM = CW > CWS ? CW : CWS;
-  constexpr bool RUNS = FP8 || FP4;  // FP8, FP4: a warp's pieces a run of PPW consecutive ones, NACC in flight
+  constexpr bool RUNS = C8 || FP4;  // FP8, FP4: a warp's pieces a run of PPW consecutive ones, NACC in flight
   constexpr int PPW = (PIECES + WARPS - 1) / WARPS, NACC = 4;
   u32 parity = 0;
   for (int rb = blockIdx.x; rb < H / 16; rb += gridDim.x) {
@@ -2928,6 +2973,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                   const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
                   nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
                 }
+              } else if (PT8) {  // summed over all of K, scaled once (below)
+                uint4 k0, k1;
+                e4m3x16_to_bf16(w, k0, k1);
+                mma_bf16(o[j], k0, b.x, b.y);
+                mma_bf16(o[j], k1, b.z, b.w);
               } else {
                 uint4 k0, k1;
                 e4m3x16_to_bf16(w, k0, k1);
@@ -2989,6 +3039,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
       }
       if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
+      if (PT8) y *= s_dsc[s];  // weight_scale * input_scale
       ys[s * 16 + r] = y;
     }
     __syncthreads();
