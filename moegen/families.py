@@ -118,6 +118,15 @@ class Tuning:
     # a warp multiplies both tiles, gate/up's shape, so a block reads each token row B tile once
     # for 256 rows instead of 128 (False: a tile a warp).
     prefill_down_pair: bool = True
+    # The persistent down GEMM's Y tile (row-group pairs, two consumer warpgroups) staged in shared
+    # memory a warpgroup's half at a time and written by bulk copies (moegen.prefill.GemmTiles.stage_y;
+    # None: the analytic choice, BF16 and FP4 weights). On the H200 (2026-12-01, one process, the same
+    # bits, us per layer, without against with): Qwen3-30B-A3B 341.5 / 495.7 / 1499.0 against 345.3 /
+    # 484.7 / 1429.8 at N = 600 / 2048 / 8192; -NVFP4 563.3 / 1694.7 against 559.4 / 1639.3, OLMoE
+    # 510.8 / 1748.6 against 496.3 / 1709.0, Qwen3-Next-80B-A3B 963.8 / 2000.0 against 968.5 / 1944.1
+    # at N = 2048 / 8192; slower with FP8 weights, whose loops convert codes (Qwen3-30B-A3B-FP8
+    # 603.3 / 2024.9 against 618.2 / 2072.4, -FP8-a8 411.7 / 1399.6 against 418.9 / 1415.0).
+    prefill_stage_y: bool | None = None
     # The prefill GEMMs' weight k-tiles by bulk copies (moegen.prefill.GemmTiles.bulk_a): on
     # the H200 (2026-11-30, one process, the same bits) Qwen3-30B-A3B 357.3 / 577.7 / 1724.2 against
     # 340.8 / 528.9 / 1606.6 us at N = 512 / 2048 / 8192, Mixtral-8x7B 3493.6 / 11772.5 against

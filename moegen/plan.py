@@ -176,8 +176,8 @@ class Plan:
     raw: tuple[Buffer, ...]  # small weights copied as fp32 as they are (router / correction bias)
     kernel_order: tuple[str, ...] = field(default=("router (+ route)", "route", "gate_up", "down + combine"))
     prefill_from: int = 0  # the first bucket (its max_tokens) that runs the prefill kernels; 0: none
-    # their GEMMs' (bm, bn, stages, ws, down_stages, fp8, a8, down_pair, bulk_a, fp4, fp8_tensor): prefill.GemmTiles
-    prefill_tiles: tuple[int, int, int, bool, int, bool, bool, bool, bool, str, bool] | tuple[()] = ()
+    # their GEMMs' (bm, bn, stages, ws, down_stages, fp8, a8, down_pair, bulk_a, fp4, fp8_tensor, stage_y): prefill.GemmTiles
+    prefill_tiles: tuple[int, int, int, bool, int, bool, bool, bool, bool, str, bool, bool] | tuple[()] = ()
     tensor_maps: tuple[TensorMap, ...] = ()  # what the kernels copy weights with (the weights' buffer "tmaps")
 
     def kernel(self, name: str) -> Kernel:

@@ -63,6 +63,10 @@ class GemmTiles:
     # of K, times weight_scale * input_scale at the end; the tokens' rows already quantized by the
     # matrix's static input scale (e4m3 values held in bf16, exactly)
     fp8_tensor: bool = False
+    # The down GEMM's Y tile (down_pair) staged in shared memory behind the ring and written by bulk
+    # copies, a token row's run of the block's columns each, instead of each thread's 4-byte stores
+    # to the token rows: the consumers return to the next block's k-loop once it is staged
+    stage_y: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -83,6 +87,8 @@ class GemmTiles:
         if self.fp4 not in ("", "mxfp4", "nvfp4") or (self.fp4 and (self.fp8 or not (self.bulk_a and self.down_pair))):
             raise ValueError(f"fp4={self.fp4!r}: mxfp4 or nvfp4, not with fp8, with bulk_a and down_pair (each warp's "
                              "fragments hold two matrices)")
+        if self.stage_y and not self.down_pair:
+            raise ValueError("stage_y: the down GEMM on row-group pairs (down_pair) only")
         if self.fp8_tensor and (self.fp8 or self.fp4 or not self.ws):
             raise ValueError("fp8_tensor: FP8 per-tensor weights, not with fp8 or fp4, with the producer warpgroup")
 
@@ -143,17 +149,24 @@ class GemmTiles:
         12352 us."""
         return self.ws and k_dim // 64 <= PERSISTENT_KTILES
 
-    def _stage(self, units: int) -> int:
+    def _stage(self, units: int, barriers_in_pad: bool = False) -> int:
         """A stage of the ring: the tokens' B tile, each warp's `units` 16-byte fragments a lane (FP8
         weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
-        scales (FP4: 1 KB) and the stage's two barriers."""
+        scales (FP4: 1 KB) and the stage's two barriers (barriers_in_pad: in the staged Y rows' padding)."""
         per_warp = units // 2 if self.fp8 and not self.a8 or self.fp8_tensor else units // 4 if self.fp4 else units
         return (self.bn * 128 + self.threads // 32 * per_warp * 512 + (1024 if self.a8 or self.fp4 else 0)
-                + (16 if self.ws else 0))
+                + (16 if self.ws and not barriers_in_pad else 0))
+
+    @property
+    def y_stage_bytes(self) -> int:
+        """The down GEMM's staged Y half tile (stage_y): bn token rows of a warpgroup's half of its
+        down_rows bf16 columns, each row 16 bytes longer (the 8 rows of a stmatrix piece then lie in
+        distinct banks; the ring's barriers in that padding)."""
+        return self.bn * (self.down_rows + 16) if self.stage_y else 0
 
     @property
     def down_smem_bytes(self) -> int:
-        return self.dstages * self._stage(8 if self.down_pair else 4) + 1024
+        return self.dstages * self._stage(8 if self.down_pair else 4, self.stage_y) + self.y_stage_bytes + 1024
 
     @property
     def down_rows(self) -> int:

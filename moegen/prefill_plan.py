@@ -15,10 +15,11 @@ whatever the other tokens: batch-invariant within the bucket.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .families import FP4_FORMATS, QUANT_THREADS, quant_blocks
-from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
+from .prefill import DOWN_MATS, MAX_EXPERTS, PERSISTENT_KTILES, GemmTiles
 
 if TYPE_CHECKING:
     from .families import Layer
@@ -83,22 +84,28 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
     fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
     return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                      ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
-                     bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
+                     bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws,
+                     stage_y=pair and bm == 128 and c.i // 64 <= PERSISTENT_KTILES
+                     and (t.prefill_stage_y if t.prefill_stage_y is not None else fmt == "bf16" or bool(fp4)))
 
 
 BNT_ARG = 10  # prefill_gemm's template argument BNT (tokens a tile, where a GEMM's differ from the layer's)
 
 
-def other_bn(kernels: tuple[Kernel, ...]) -> int:
-    """The tile width (tokens) that some of the GEMMs take beside the layer's (0: none): their BNT."""
-    return max((int(k.targs[BNT_ARG]) for k in kernels if k.body == "prefill_gemm" and len(k.targs) > BNT_ARG),
-               default=0)
+def other_bn(kernels: tuple[Kernel, ...], bn: int) -> int:
+    """The tile width (tokens) that some of the GEMMs take beside the layer's `bn` (0: none): their BNT
+    (which a GEMM with a later template argument set lists even where it is the layer's)."""
+    return max((int(k.targs[BNT_ARG]) for k in kernels
+                if k.body == "prefill_gemm" and len(k.targs) > BNT_ARG and int(k.targs[BNT_ARG]) != bn), default=0)
 
 
 def shared_tiles_of(c: Layer) -> GemmTiles:
     """The shared expert's GEMMs' tile shape: its format's (FP8 block's 64 tokens beside FP4 routed
     experts' 128; the rest of the shape is the layer's, one template)."""
-    return tiles(c, c.fmt_s) if c.si else tiles(c)
+    if not c.si:
+        return tiles(c)
+    t = tiles(c, c.fmt_s)  # (staged Y where its own down GEMM, K = si, runs persistent)
+    return replace(t, stage_y=t.stage_y and c.si // 64 <= PERSISTENT_KTILES)
 
 
 def unsupported(c: Layer) -> str:
@@ -238,13 +245,15 @@ def kernels(c: Layer) -> dict[str, Kernel]:
         on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
         routing weight on the input: the routed gate/up GEMM scales gate and up by it), BIAS (the
         routed experts' biases), BNT (the tile's tokens; the shared expert's tile where its format's
-        differs) and PT8 (FP8 per-tensor weights) up to the last that is not its default."""
+        differs), PT8 (FP8 per-tensor weights) and STY (the down GEMM's Y tile staged, stage_y) up
+        to the last that is not its default."""
         pair = gated == "false" and tile.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (tile.fp8, tile.a8, pair,
                                                                           tile.bulk_a and (gated == "true" or pair))),
                 FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn),
-                str(tile.fp8_tensor).lower()]
-        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn), "false"]
+                str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower()]
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn), "false",
+                   "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
@@ -281,7 +290,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
     xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
     def down_tag(tile: GemmTiles) -> str:
         return (f"bm{tile.bm}_bn{tile.bn}_s{tile.dstages}" + ("_ws" if tile.ws else "") + ("_pair" if tile.down_pair else "")
-                + ("_bulk" if tile.bulk_a and tile.down_pair else ""))
+                + ("_bulk" if tile.bulk_a and tile.down_pair else "") + ("_sy" if tile.stage_y else ""))
 
     down = down_tag(t)
     # setmaxnreg needs the register count at entry fixed: with a producer warpgroup and at most 256

@@ -58,8 +58,9 @@ def render_cuda(spec: Spec, plan: Plan) -> str:
         from .prefill_plan import other_bn
 
         w2 = next(w for w in plan.weights if w.name == "w2")
-        g = grouped_args(GemmTiles(*plan.prefill_tiles), standalone=False, down_mats=(w2.mats,),
-                         sms=TARGETS[plan.arch].sm_count, other_bn=other_bn(plan.kernels))
+        t = GemmTiles(*plan.prefill_tiles)
+        g = grouped_args(t, standalone=False, down_mats=(w2.mats,), sms=TARGETS[plan.arch].sm_count,
+                         other_bn=other_bn(plan.kernels, t.bn))
     return env().get_template("layer.cu.j2").render(
         spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(), g=g,
         single=any(k.family == "single" for k in plan.kernels),  # the one-token kernel's template, where used

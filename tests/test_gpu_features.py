@@ -358,7 +358,8 @@ def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_referenc
                        "experts": {**case["experts"], "format": "mxfp4"},
                        "shared_expert": {**case["shared_expert"], "format": "fp8_block"}}, check_generated=False)
     plan = make_plan(spec)
-    assert plan.prefill_from and prefill_plan.other_bn(plan.kernels) == 64, (plan.prefill_from, plan.prefill_tiles)
+    assert plan.prefill_from and prefill_plan.other_bn(plan.kernels, plan.prefill_tiles[1]) == 64, \
+        (plan.prefill_from, plan.prefill_tiles)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
     dev_w, host = _rand_weights(plan, torch)
     layer = load(tmp_path / spec.name, dev_w)

@@ -174,6 +174,7 @@ def test_gate_up_writes_h_in_the_permuted_order():
                                          ("qwen3-30b-a3b", {"prefill_ws": False, "prefill_down_stages": 3}),
                                          ("qwen3-30b-a3b", {"prefill_down_pair": False}),
                                          ("qwen3-30b-a3b", {"prefill_bulk_a": False}),
+                                         ("qwen3-30b-a3b", {"prefill_stage_y": False}),
                                          ("qwen3-30b-a3b-fp8", {}), ("qwen3-30b-a3b-fp8-a8", {}),
                                          ("qwen3-30b-a3b-nvfp4", {}), ("qwen3-30b-a3b-mxfp4", {})], ids=str)
 def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
@@ -203,7 +204,8 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     fp4 = name.rsplit("-", 1)[1] if name.endswith("fp4") else ""
     assert all(k.name.count("fp4_") == bool(fp4) and (f"_{fp4}_" in k.name or not fp4) for k in gemms), \
         [k.name for k in gemms]
-    assert all((k.targs[-1] == f"MOE_W_{fp4.upper()}") == bool(fp4) for k in gemms), [k.targs for k in gemms]
+    assert all(((k.targs[7] if len(k.targs) > 7 else "0") == f"MOE_W_{fp4.upper()}") == bool(fp4) for k in gemms), \
+        [k.targs for k in gemms]
     # the down GEMM on row-group pairs: the analytic plan's with a producer warpgroup and down_tiles 2
     pair = tuning.get("prefill_ws", True) and tuning.get("prefill_down_pair", True)
     assert [k.name.count("_pair_") for k in gemms] == [0, int(pair)], [k.name for k in gemms]
@@ -212,6 +214,11 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     bulk = tuning.get("prefill_ws", True) and tuning.get("prefill_bulk_a", True)
     assert [k.name.count("_bulk") for k in gemms] == [int(bulk), int(bulk and pair)], [k.name for k in gemms]
     assert [len(k.targs) >= 7 and k.targs[6] == "true" for k in gemms] == [bulk, bulk and pair], [k.targs for k in gemms]
+    # the persistent down GEMM's Y tile staged (analytic: BF16 and FP4 weights, two consumer warpgroups,
+    # on row-group pairs): the template's STY argument (the last) with the name
+    sty = pair and tuning.get("prefill_bm", 128) == 128 and tuning.get("prefill_stage_y", not name.endswith(("fp8", "a8")))
+    assert [k.name.count("_sy_") for k in gemms] == [0, int(sty)], [k.name for k in gemms]
+    assert [len(k.targs) == 13 and k.targs[12] == "true" for k in gemms] == [False, sty], [k.targs for k in gemms]
     for k in gemms:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
@@ -402,7 +409,8 @@ def test_a_shared_expert_in_another_format_takes_its_own_tile():
     gus, dns = ks["prefill_gemm_gate_up_shared"], ks["prefill_gemm_down_shared"]
     assert len(gus.targs) == len(dns.targs) == prefill_plan.BNT_ARG + 1 and gus.targs[-1] == dns.targs[-1] == "64"
     assert gus.targs[3] == dns.targs[3] == "true" and gus.targs[7] == "0"  # FP8, not F4
-    assert len(ks["prefill_gemm_gate_up"].targs) <= prefill_plan.BNT_ARG and prefill_plan.other_bn(plan.kernels) == 64
+    assert len(ks["prefill_gemm_gate_up"].targs) <= prefill_plan.BNT_ARG
+    assert prefill_plan.other_bn(plan.kernels, plan.prefill_tiles[1]) == 64
     assert ks["prefill_scan"].args[-1] == "64" and ks["prefill_scan"].args[-2] == str(-(-16384 // 64))
     launches = {x.kernel: x for x in plan.buckets[-1].launches}
     shared_tile = prefill_plan.shared_tiles_of(Layer.of(spec, TARGETS[spec.arch]))

@@ -2125,7 +2125,8 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false>
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool STY = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2144,6 +2145,16 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // weight_scale * input_scale at the end (sc: [E][MATS][2]; down [E][1][2]); the token rows
   // already quantized by that input scale (prefill_quant_tile_body), read in row order (GATHER false)
   static_assert(!PT8 || (!FP8 && !WOI && !BIAS && !GATHER), "PT8: FP8 per-tensor routed experts, rows in order");
+  // STY (PAIR, persistent, two consumer warpgroups): each warpgroup's half of the block's Y tile (BN
+  // token rows x its 4 row groups' 128 columns, bf16) staged in shared memory behind the ring, rows YS
+  // = 272 bytes apart (the 8 rows of a stmatrix piece then in distinct banks), then each token row's
+  // 256 bytes written by one bulk copy of the copy engine, issued by that row's thread of the
+  // warpgroup. The two halves share one stage: warpgroup 1 stages its half once warpgroup 0's copies
+  // have read theirs, and warpgroup 0 its next block's once warpgroup 1's have (named barriers 2 and
+  // 3), so warpgroup 0 runs the next block's k-loop while warpgroup 1 stores, instead of both storing
+  // 4-byte words to the token rows while the tensor cores idle. The ring's barriers lie in the stage's
+  // row padding (16 bytes of each of the first S rows), so that four stages still fit.
+  static_assert(!STY || (PAIR && 256 == 256), "STY: the down GEMM on row-group pairs, two consumer warpgroups");
   constexpr bool C8 = FP8 || PT8;
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
@@ -2170,12 +2181,17 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
   unsigned char* sbase = smem_raw + (base - raw);
-  const u32 full = base + S * STAGE, empty = full + S * 8;  // S barriers each, 8 bytes a barrier
+  // S barriers each, 8 bytes a barrier (STY: in the padding of the staged Y rows 0 .. S - 1, 16-byte
+  // aligned after the 1024-aligned ring)
+  constexpr u32 YS = 272;  // STY: bytes between staged Y rows (128 columns and 16 of padding)
+  const u32 ystage = base + S * STAGE;
+  const u32 full = STY ? ystage + 256 : base + S * STAGE, empty = STY ? full + 8 : full + S * 8;
+  constexpr u32 BSTEP = STY ? YS : 8;  // bytes from one stage's barrier to the next's
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full + s * 8, PT);
-      mbar_init(empty + s * 8, CONSUMERS);  // every consumer thread, after its own reads of the stage
+      mbar_init(full + s * BSTEP, PT);
+      mbar_init(empty + s * BSTEP, CONSUMERS);  // every consumer thread, after its own reads of the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -2241,18 +2257,18 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                  : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = gk % S;
-        if (gk >= S) mbar_wait(empty + s * 8, ((gk / S) - 1) & 1);
+        if (gk >= S) mbar_wait(empty + s * BSTEP, ((gk / S) - 1) & 1);
         unsigned char* st = sbase + s * STAGE;
 #pragma unroll
         for (int j = 0; j < BJ; ++j)
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * 128, alive[j]);
         if constexpr (BULK) {  // lane 0 of producer warp pu: the runs of warps pu, pu + 4, ...
-          if (p == 0) gg::mbar_expect_tx(full + s * 8, WARPS * A_WARP);
+          if (p == 0) gg::mbar_expect_tx(full + s * BSTEP, WARPS * A_WARP);
           if (pl == 0) {
 #pragma unroll
             for (int j = 0; j < WARPS / 4; ++j)
               bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
-                            arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * 8);
+                            arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * BSTEP);
           }
           if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
           if (F4 && p < SCT) cp_async16(st + B_BYTES + WARPS * A_WARP + p * 16, fsrc + (size_t)kt * SCW, true);
@@ -2285,7 +2301,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
             cp_async16(st + (TWO ? adst + (j >> 1) * A_WARP + (j & 1) * 2048 : adst + j * A_WARP), a, true);
           }
         }
-        gg::cp_async_mbar_arrive(full + s * 8);
+        gg::cp_async_mbar_arrive(full + s * BSTEP);
       }
     }
     cp_async_wait<0>();
@@ -2304,7 +2320,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
   // Two sets of A registers: k-tile g + 1's fragments load while k-tile g's wgmmas run.
   auto frags = [&](uint4 (&af)[NACC][4], int g) {
-    mbar_wait(full + (g % S) * 8, (g / S) & 1);
+    mbar_wait(full + (g % S) * BSTEP, (g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + (u32)((g % S) * STAGE);
     if constexpr (A8) {  // four chunks' codes, each one e4m3 fragment
@@ -2376,7 +2392,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
-    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * 8);  // this thread is done with it
+    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * BSTEP);  // this thread is done with it
     // the next k-tile's fragments while this group runs (A8 gate/up: after the promotion, when the
     // group's A registers are free: both sets beside the group's and the sums' accumulators spilled)
     constexpr bool LATE = A8 && NACC == 2;
@@ -2410,6 +2426,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     if (LATE && kt + 1 < ktiles) frags(nxt, g + 1);
   };
   int gk = 0;
+  bool staged = false;  // STY: this thread's warpgroups have staged a half before
   for (int b = b0; b < blocks; b += grid) {
     const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
@@ -2427,7 +2444,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     gk += ktiles;
-    gg::mbar_arrive(empty + ((gk - 1) % S) * 8);
+    gg::mbar_arrive(empty + ((gk - 1) % S) * BSTEP);
     if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
       const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
                                                        ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * REC - 16);
@@ -2450,7 +2467,43 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     // BIAS: this tile's expert's biases
     const float* eb0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
     const float* eb1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
-    if constexpr (PAIR) {  // the group's two tiles
+    if constexpr (STY) {  // this warpgroup's half of the Y tile into the stage, then a bulk copy a token row
+      const int wg = warp >> 2, wt = tid & 127;
+      const int c0 = (it - warp) * 32 + wg * 128;  // the half's first column
+      if (wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");  // warpgroup 0's copies have read the stage
+      else if (staged) asm volatile("bar.sync 3, 256;" ::: "memory");  // warpgroup 1's (the block before)
+      // Each 8 x 8 piece of a tile's accumulators (8 weight rows = columns of Y, 8 tokens) stored
+      // transposed (stmatrix .trans): token row r of the piece gets its 8 columns, 16 bytes. One
+      // instruction takes four pieces, (rows 0-7, 8-15) x (tokens 16 p .. + 7, 16 p + 8 .. + 15); lane
+      // l gives the address of row l % 8 of piece l / 8.
+      const u32 y0 = ystage + ((lane >> 4) * 8 + (lane & 7)) * YS + (2 * (warp & 3) * 16 + 8 * ((lane >> 3) & 1)) * 2;
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int i = (2 * it + m) * 16 + (lane >> 2);  // this thread's rows i, i + 8 (BIAS)
+        const float b_lo = BIAS && i < n_out ? eb0[i] : 0.0f, b_hi = BIAS && i + 8 < n_out ? eb0[i + 8] : 0.0f;
+#pragma unroll
+        for (int p = 0; p < BN / 16; ++p) {
+          const float* a = acc[m] + 8 * p;  // pieces' values: (row g, tokens 2t, 2t + 1), (row g + 8, ...) of two n8 blocks
+          const u32 r0 = pack_bf16x2(a[0] + b_lo, a[1] + b_lo), r1 = pack_bf16x2(a[2] + b_hi, a[3] + b_hi);
+          const u32 r2 = pack_bf16x2(a[4] + b_lo, a[5] + b_lo), r3 = pack_bf16x2(a[6] + b_hi, a[7] + b_hi);
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], { %1, %2, %3, %4 };"
+                       ::"r"(y0 + (u32)(p * 16 * YS + m * 32)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+        }
+      }
+      gg::fence_async_smem();  // the stage's writes, seen by the copy engine's reads
+      if (wg == 0) asm volatile("bar.sync 4, 128;" ::: "memory");
+      else asm volatile("bar.sync 5, 128;" ::: "memory");
+      if (wt < rows) {
+        bf16_t* dst = static_cast<bf16_t*>(out) + (size_t)(row0 + wt) * n_out + c0;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 256;" ::"l"(dst), "r"(ystage + wt * YS)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // it has read the stage
+      }
+      if (wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
+      else asm volatile("bar.arrive 3, 256;" ::: "memory");
+      staged = true;
+    } else if constexpr (PAIR) {  // the group's two tiles
       prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, eb0);
       prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr,
                                                             eb0);
@@ -2459,6 +2512,10 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       prefill_store<GATED, NACC, BN, !A8, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
                                                                                        out, 0, wrow, eb0, eb1);
     }
+  }
+  if constexpr (STY) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // this thread's copies done
+    if (staged && (tid >> 7) == 0) asm volatile("bar.sync 3, 256;" ::: "memory");  // warpgroup 1's last arrival
   }
 }
 
