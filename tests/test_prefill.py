@@ -484,3 +484,37 @@ def test_fp4_prefill_takes_nvfp4_and_mxfp4_layers_with_bulk_copies_and_pairs():
     bf16 = load_spec(Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b.yaml")
     why = prefill_plan.unsupported(Layer.of(bf16, TARGETS[bf16.arch], Tuning(prefill_stages=5)))
     assert "rings of 5 / 5 stages exceed a block's shared memory" in why
+
+
+@pytest.mark.parametrize("name,routed,shared", [
+    ("qwen3-30b-a3b", True, None), ("qwen3-30b-a3b-nvfp4", True, None), ("qwen3-30b-a3b-fp8", False, None),
+    ("qwen3-30b-a3b-fp8-a8", False, None), ("mixtral-8x7b", False, None), ("gpt-oss-20b", False, None),
+    ("qwen3-next-80b-a3b", True, True), ("qwen1.5-moe-a2.7b", True, False), ("deepseek-v4-flash-fp4", True, False)])
+def test_the_down_gemms_stage_their_y_tile_where_persistent_with_bf16_or_fp4_weights(name, routed, shared):
+    """The analytic stage_y: the down GEMMs on row-group pairs that run persistent (K = I, or si for
+    the shared expert's, at most PERSISTENT_KTILES k-tiles) with BF16 or FP4 weights stage their Y
+    tile (not FP8 weights, not Mixtral's or GPT-OSS's long k-loops, not Qwen1.5-MoE's shared expert
+    of 5632, not DeepSeek-V4-Flash-FP4's FP8 shared expert); with it a BF16 down GEMM's four stages,
+    the staged half tile and the barriers in its padding fill the 227 KB exactly; the kernel's name
+    and its STY argument say so, and the tuning turns it off."""
+    from pathlib import Path
+
+    from moegen import prefill_plan
+    from moegen.families import Layer, Tuning
+    from moegen.plan import TARGETS, make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    c = Layer.of(spec, TARGETS[spec.arch])
+    t, ts = prefill_plan.tiles(c), prefill_plan.shared_tiles_of(c)
+    assert t.stage_y == routed and (shared is None or ts.stage_y == shared), (t, ts)
+    assert t.down_smem_bytes <= TARGETS[spec.arch].smem_per_block
+    if routed and not t.fp4:  # BF16: 4 x (16 + 32 KB) + 128 x 272 + 1 KB
+        assert t.dstages == 4 and t.down_smem_bytes == 4 * 48 * 1024 + 128 * 272 + 1024 == 227 * 1024
+    plan = make_plan(spec)
+    downs = [k for k in plan.kernels if k.family in ("prefill_gemm_down", "prefill_gemm_down_shared")]
+    routed_down = next(k for k in downs if k.family == "prefill_gemm_down")
+    sty = len(routed_down.targs) == 13 and routed_down.targs[12] == "true"  # prefill_gemm's STY, the last
+    assert ("_sy_" in routed_down.name) == routed == sty, routed_down
+    off = make_plan(spec, tuning=Tuning(prefill_stage_y=False))
+    assert not [k for k in off.kernels if "_sy_" in k.name]
