@@ -218,6 +218,10 @@ class Plan:
 # family's cost: the route kernel 0.07-0.21 s more, the router with the route 0.04-0.19, the
 # one-token kernel 0.00-0.23; Qwen3-Next-80B-A3B, Kimi-K2, DeepSeek-V3 and -V4-Flash/-Pro, GLM-4.5,
 # Qwen3-Coder-480B-A35B, LongCat-Flash), which had left DeepSeek-V4-Flash's parts at 1.77 and 1.10 s.
+# The two-token kernel ("single+x2": its name's "x2") compiles in about 0.73 of the one-token kernel's
+# time, and the down GEMM with its Y tile staged ("+sy", GemmTiles.stage_y) in about 0.57 of the
+# gate/up GEMM's (Qwen3-30B-A3B, each kernel alone, 2026-12-01: 0.40-0.41 against 0.53-0.59 s, 0.25-0.28
+# against 0.42-0.53 s); dealt at the common 0.45 and 0.47 they had left its part 0 0.2-0.3 s the longer.
 COMPILE_PARTS = 2
 SHARED_COST = 1.45
 ROUTE_BOUND = 128
@@ -227,7 +231,8 @@ COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.45, "expert": 0.30, "p
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
                 "prefill_count": 0.01, "prefill_permute": 0.01, "prefill_quant": 0.02,
                 "single+fp8": 0.44, "prefill_gemm_gate_up+fp8": 0.31, "prefill_gemm_down+fp8": 0.31,
-                "prefill_gemm_gate_up+fp8a8": 0.34, "prefill_gemm_down+fp8a8": 0.34}
+                "prefill_gemm_gate_up+fp8a8": 0.34, "prefill_gemm_down+fp8a8": 0.34,
+                "single+x2": 0.33, "prefill_gemm_down+sy": 0.28}
 
 
 def compile_cost(k: Kernel) -> float:
@@ -240,7 +245,7 @@ def compile_cost(k: Kernel) -> float:
     fused = k.family == "router" and "_route_" in k.name
     family = k.family.removesuffix("_shared")
     tokens = k.name.split("_")
-    fmt = next((f for f in ("fp8a8", "fp8") if f in tokens and f"{family}+{f}" in COMPILE_COST), "")
+    fmt = next((f for f in ("fp8a8", "fp8", "x2", "sy") if f in tokens and f"{family}+{f}" in COMPILE_COST), "")
     cost = COMPILE_COST.get(family + (f"+{fmt}" if fmt else "+route" if fused else ""), 0.1)
     shared = any(t.startswith("si") and t[2:].isdigit() for t in tokens)
     if family in ("gate_up", "down") and shared:

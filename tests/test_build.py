@@ -386,7 +386,8 @@ def test_kernels_that_route_over_many_experts_weigh_more_when_dealt():
 
     def base(name: str) -> float:
         family = name.split("_")[1]
-        return P.COMPILE_COST[family + ("+route" if family == "router" else "")]
+        two = family == "single" and "_x2_" in name  # the two-token kernel
+        return P.COMPILE_COST[family + ("+route" if family == "router" else "+x2" if two else "")]
 
     for name in ("qwen3-next-80b-a3b", "longcat-flash"):
         costs = routing(name)
@@ -398,6 +399,26 @@ def test_kernels_that_route_over_many_experts_weigh_more_when_dealt():
     plain = [k for k in make_plan(load_spec(ROOT / "specs" / "qwen3-next-80b-a3b.yaml")).kernels
              if k.family == "router" and "_route_" not in k.name]
     assert plain and all(P.compile_cost(k) == P.COMPILE_COST["router"] for k in plain)
+
+
+def test_the_two_token_kernel_and_the_staged_down_gemm_weigh_less_when_dealt():
+    """Qwen3-30B-A3B's two-token kernel is dealt at "single+x2" and its down GEMM with the staged Y tile
+    at "prefill_gemm_down+sy" (each compiles in well under its family's time), the one-token kernel
+    and the gate/up GEMM at their families'; the dealing leaves the two parts within one small
+    kernel of each other."""
+    from moegen import plan as P
+
+    plan = make_plan(load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml"))
+    cost = {k.name: P.compile_cost(k) for k in plan.kernels}
+    single = {k.name: cost[k.name] for k in plan.kernels if k.family == "single"}
+    assert sorted(single.values()) == [P.COMPILE_COST["single+x2"], P.COMPILE_COST["single"]], single
+    assert all(("_x2_" in n) == (c == P.COMPILE_COST["single+x2"]) for n, c in single.items())
+    (down,) = [k for k in plan.kernels if k.family == "prefill_gemm_down"]
+    (gate_up,) = [k for k in plan.kernels if k.family == "prefill_gemm_gate_up"]
+    assert "_sy_" in down.name and cost[down.name] == P.COMPILE_COST["prefill_gemm_down+sy"]
+    assert cost[gate_up.name] == P.COMPILE_COST["prefill_gemm_gate_up"]
+    load = [sum(cost[k.name] for k in plan.kernels if k.part == p) for p in range(plan.parts)]
+    assert plan.parts == 2 and abs(load[0] - load[1]) <= 0.1, load
 
 
 def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch):

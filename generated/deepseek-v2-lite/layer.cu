@@ -3970,7 +3970,7 @@ static_assert(6 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
@@ -3982,31 +3982,31 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e64_k6_softmax_score
 }
 #endif
 // one token in one launch: router (4 tiles x 4 parts), route in every block, gate/up (6 x 88 + 176 tiles), down by columns streamed behind them, partial sums a block; tagged words
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e64_h2048_i1408_k6_si2816_ks4_n16384_e64_k6_softmax_scores_fp32_silu_gated_t2_u6_ov_cols_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
   single_body<64, 44, 88, 88, 176, 1408, 2816, 2048, 64, 6, 64, 4, 16384, 2, false, 16, 6, 4, true, MOE_W_BF16, true, false, false, 118, 1, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 64 rows x 2048, K split 16 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt1_n16384_route_e64_k6_softmax_scores_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 16, 64, 16384, true, 64, 6, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 88 tiles + shared 176 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1408_nt1_bf16_si2816_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 4, 88, 176, 1408, 2816, MOE_W_BF16, MOE_W_BF16, 64>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (2816); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1408_k6_nt1_bf16_si2816_nts1_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 88, 1, 1, 4, 4, 4, 2, 64, 2048, 6, false, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // router: 64 rows x 2048, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 16, 64, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -4018,7 +4018,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1408_nt
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (2816); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1408_k6_nt1_bf16_si2816_nts2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 88, 1, 2, 4, 4, 4, 2, 64, 2048, 6, false, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4030,7 +4030,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1408_nt
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (2816); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1408_k6_nt1_bf16_si2816_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 88, 1, 4, 4, 4, 3, 2, 64, 2048, 6, false, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4042,7 +4042,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1408_nt
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (2816); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1408_k6_nt2_bf16_si2816_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 88, 2, 4, 4, 4, 3, 2, 64, 2048, 6, false, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4054,25 +4054,25 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e64_h2048_i1408_nt
 }
 #endif
 // down: expert slots x 128 tiles of 1408 + shared (2816); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e64_h2048_i1408_k6_nt3_bf16_si2816_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<44, 88, 3, 4, 4, 3, 3, 2, 64, 2048, 6, false, MOE_W_BF16, MOE_W_BF16, 64, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // router: 64 rows x 2048, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r64_h2048_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 4, 1, 64, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h2048_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 2048, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e64_k6_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 6, 64, counts);
 }
@@ -4084,7 +4084,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e64_k6_r128_
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e64_k6_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 6, 64, 6, counts, first, tok, slot);
 }
@@ -4096,7 +4096,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e64_k6_h20
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e64_k6_h2048_i1408_bm128_bn128_s4_ws_pair_bulk_sy_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true, true, 0, false, false, 128, false, true>(hp, nullptr, w2, tiles, y, 2048, 1408, 128, 64, n, 6, 64);
 }
@@ -4108,13 +4108,13 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_shared_h20
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h2048_i2816_bm128_bn128_s4_ws_pair_bulk_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true, true>(hp, nullptr, ws2, stiles, y, 2048, 2816, 128, 1, n, 1, 0);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k6_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 6, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
 }

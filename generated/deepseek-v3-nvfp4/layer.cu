@@ -2724,13 +2724,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert up to N = 512
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n16384_g512_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 8, 1, 16384, false, 256, 512>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2754,13 +2754,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // router: 256 rows x 7168, K split 14 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 4, 4, 4, 14, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_nvfp4_si2048_nts2_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 1, 2, 4, 8, 7, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2772,7 +2772,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_nvfp4_si2048_nts4_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 1, 4, 4, 8, 4, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2784,7 +2784,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt2_nvfp4_si2048_nts4_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 2, 4, 4, 7, 4, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2796,7 +2796,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt4_nvfp4_si2048_nts4_nvfp4_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 4, 4, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_NVFP4, MOE_W_NVFP4, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2808,31 +2808,31 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_n
 }
 #endif
 // router: 256 rows x 7168, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 4, 4, 4, 1, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h7168_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 7168, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 256, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 256, 128, 1280, first, tiles, n, stiles, 128);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 256, 8, counts, first, tok, slot);
 }
@@ -2844,7 +2844,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e256_k8_h7
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e256_k8_h7168_i2048_bm128_bn128_s4_ws_pair_bulk_sy_m2_nvfp4_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2) {
   prefill_gemm<false, 2, false, false, false, true, true, MOE_W_NVFP4, false, false, 128, false, true>(hp, nullptr, w2, tiles, y, 7168, 2048, 448, 256, n, 8, 256, s2);
 }
@@ -2862,7 +2862,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h7168_
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h7168_k8_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
   prefill_combine_body(y, slot, wts, x, out, 7168, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
 }

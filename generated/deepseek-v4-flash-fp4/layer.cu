@@ -2740,13 +2740,13 @@ static_assert(6 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sqrt_softplus over 256 experts (fp32 logits) + correction bias for selection -> top-6 -> renormalize -> x1.5; one token per warp, the last block groups the tokens by expert up to N = 512
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k6_sqrt_softplus_scores_cbias_renorm_x1p5_fp32_n16384_g512_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 6, 1, 16384, false, 256, 512>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2770,13 +2770,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // router: 256 rows x 4096, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 4, 4, 4, 16, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_mxfp4_si2048_nts2_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 2, 4, 8, 5, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2788,7 +2788,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt1_mxfp4_si2048_nts4_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 1, 4, 4, 8, 3, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2800,7 +2800,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt2_mxfp4_si2048_nts4_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 2, 4, 4, 7, 3, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2812,7 +2812,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // gate/up + silu_gated_l10: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h4096_i2048_nt3_mxfp4_si2048_nts4_fp8_block_silu_gated_l10_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<128, 3, 4, 4, 5, 3, 128, 128, 2048, 2048, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2824,13 +2824,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
 }
 #endif
 // router: 256 rows x 4096, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<128, 4, 4, 4, 1, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h4096_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
   prefill_permute_body(x, xp, 4096, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
 }
@@ -2872,7 +2872,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h4096_i2048_bm128_bn64_s4_ws_pair_bulk_m2_fp8_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2) {
   prefill_gemm<false, 2, false, true, false, true, true, 0, false, false, 64>(hp, nullptr, ws2, stiles, y, 4096, 2048, 256, 1, n, 1, 0, ss2);
 }

@@ -2724,13 +2724,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sigmoid over 160 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert up to N = 256
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_route_e160_k8_sigmoid_scores_cbias_renorm_x2p5_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<160, 160, 8, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2754,19 +2754,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 1, 1, 4, 4, 4, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // router: 160 rows x 5120, K split 16 ways, 32 tokens per pass; each tile's last block adds its partials
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h5120_ks16_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<160, 4, 4, 4, 16, 160, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 1, 2, 4, 4, 4, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2778,7 +2778,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt1_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 1, 4, 4, 4, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2790,7 +2790,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt2_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 2, 4, 4, 4, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2802,7 +2802,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 96 tiles + shared 96 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h5120_i1536_nt4_bf16_si1536_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<160, 4, 4, 4, 3, 3, 96, 96, 1536, 1536, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -2814,7 +2814,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h5120_i1536_k8_n
 }
 #endif
 // router: 160 rows x 5120, K split 1 ways, 32 tokens per pass
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h5120_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<160, 4, 4, 4, 1, 160, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -2826,19 +2826,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h5120_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e160_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 160, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e160_k8_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 160, 128, 1184, first, tiles, n, stiles, 128);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e160_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 8, 160, 8, counts, first, tok, slot);
 }
@@ -2850,7 +2850,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e160_k8_h5
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e160_k8_h5120_i1536_bm128_bn128_s4_ws_pair_bulk_sy_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true, true, 0, false, false, 128, false, true>(hp, nullptr, w2, tiles, y, 5120, 1536, 320, 160, n, 8, 160);
 }
@@ -2868,7 +2868,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h5120_
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h5120_k8_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
   prefill_combine_body(y, slot, wts, x, out, 5120, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
 }

@@ -3976,7 +3976,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
 }
 #endif
 // route: softmax over 128 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 256
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scores_renorm_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<128, 128, 8, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -4018,7 +4018,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt2_mxfp4_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 2, 2, 4, 7, 7, 2, 64, 2048, 8, false, MOE_W_MXFP4, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4030,7 +4030,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e128_h2048_i768_nt
 }
 #endif
 // down: expert slots x 128 tiles of 768; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h2048_i768_k8_nt4_mxfp4_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<24, 0, 4, 4, 4, 4, 4, 2, 64, 2048, 8, false, MOE_W_MXFP4, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4054,7 +4054,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 128, 1152, first, tiles);
 }

@@ -3988,25 +3988,25 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e512_h2048_i512_
 }
 #endif
 // 2 tokens in one launch: router (33 tiles x 4 parts), route in every block, gate/up (10 x 32 + 32 tiles), down by columns streamed behind them, partial sums a block; tagged words
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e512_h2048_i512_k10_si512_ks4_n16384_e512_k10_softmax_scores_renorm_sgate_fp32_silu_gated_t2_u3_ov_cols_x2_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
   single_body<64, 16, 16, 32, 32, 512, 512, 2048, 512, 10, 528, 4, 16384, 2, true, 16, 3, 4, true, MOE_W_BF16, true, false, false, 118, 2, false>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
 #endif
 // router: 528 rows x 2048, K split 4 ways, 8 tokens per pass; the last block routes
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_n16384_route_e512_k10_softmax_scores_renorm_sgate_fp32_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 1, 4, 8, 4, 528, 16384, true, 512, 10, true>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt1_bf16_si512_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 4, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
 #endif
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt1_bf16_si512_nts1_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 1, 1, 4, 4, 4, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4024,7 +4024,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 #endif
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt1_bf16_si512_nts2_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 1, 2, 4, 4, 4, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4036,7 +4036,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 #endif
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt1_bf16_si512_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 1, 4, 4, 4, 3, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4048,7 +4048,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 #endif
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt2_bf16_si512_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 2, 4, 4, 4, 3, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4060,7 +4060,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 }
 #endif
 // down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt3_bf16_si512_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 3, 4, 4, 3, 3, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
@@ -4078,7 +4078,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h2048_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e512_k10_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 10, 512, counts);
 }
@@ -4090,13 +4090,13 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e512_k10_r12
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e512_k10_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 10, 512, 10, counts, first, tok, slot);
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e512_k10_h2048_i512_bm128_bn128_s4_ws_bulk_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n) {
   prefill_gemm<true, 2, true, false, false, false, true>(xp, tok, w13, tiles, h, 512, 2048, 32, 512, n, 10, 512);
 }
@@ -4114,7 +4114,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_shared_h20
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h2048_i512_bm128_bn128_s4_ws_pair_bulk_sy_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true, true, 0, false, false, 128, false, true>(hp, nullptr, ws2, stiles, y, 2048, 512, 128, 1, n, 1, 0);
 }
