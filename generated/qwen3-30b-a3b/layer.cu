@@ -2199,9 +2199,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   const u32 ubar = (u32)__cvta_generic_to_shared(ubar_mem);  // COLS: unit k's: ubar + 8 * k
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
-    if (COLS)
+    if constexpr (COLS)
       for (int k = 0; k < URT; ++k) mbar_init(ubar + 8 * k, THREADS);
-    if (OVERLAP) mbar_init(rbar, 32 * NTOK);
+    if constexpr (OVERLAP) mbar_init(rbar, 32 * NTOK);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
@@ -2219,7 +2219,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
     mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
     const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
-    if (TMAP) {
+    if constexpr (TMAP) {
       if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
       else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
     } else if (s < K) {
@@ -2227,7 +2227,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     } else {
       bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
     }
-    if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+    if constexpr (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
       const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
       bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
                 reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
@@ -2253,13 +2253,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
     const bool skip = EARLY && rb == (int)blockIdx.x;  // operand K's pieces, asked for already
-    if (SPREAD) {
+    if constexpr (SPREAD) {
       if (warp < DSLOTS) {
         if (lane == 0 && !(skip && warp == K)) one(rb, warp);
         if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
         if (PT8 && lane == 0) scale2(warp);
       }
-      if (FP8) cp_async_commit();
+      if constexpr (FP8) cp_async_commit();
     } else if (warp == 0) {
       if (TMAP || WHOLE) {
         if (lane < DSLOTS && !(skip && lane == K)) one(rb, lane);
@@ -2278,7 +2278,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
         }
       }
-      if (FP8) {
+      if constexpr (FP8) {
         for (int i = lane; i < DSLOTS * KBD; i += 32) scales(rb, i);
         cp_async_commit();
       }
@@ -2351,7 +2351,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, r = NTOK > 1 ? threadIdx.x & 15 : threadIdx.x;
       float s = 0.0f;
       for (int w = 0; w < WARPS; ++w) s += red[(n * WARPS + w) * 16 + r];
-      if (TAGS) {
+      if constexpr (TAGS) {
         st_tagged(tl + (n * KSPLIT + part) * ROWS_PAD + tile * 16 + r, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
       } else {
         logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
@@ -2365,7 +2365,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
                  ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
-  if (TAGS) {
+  if constexpr (TAGS) {
     if (threadIdx.x == 0) s_ep = word + 1;
     __syncthreads();
     // (after the block's barrier: the mbarriers' initialization is seen by the copy's thread)
@@ -2435,7 +2435,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     if constexpr (BLOCK_ROUTE || BROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
-      if (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
+      if constexpr (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
         __syncthreads();
         if (warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
       }
@@ -2448,7 +2448,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                 OVERLAP, decltype(after), SINGLE_BOUND_MIN>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
                          s_w + n * K, s_gate + n, s_all + n, rbar, after, s_cand + 32 * n,
                          s_cscore + (RouteRule::CORR_BIAS ? 32 * n : 0));
-      if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
+      if constexpr (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
         __syncwarp();
         route_weights<K, RouteRule>(s_pick + n * K, s_all[n], s_w + n * K);
       }
@@ -2460,7 +2460,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         nullptr, nullptr, nullptr, nullptr, false);
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
-  if (OVERLAP) {  // warps 1..: every choice is written
+  if constexpr (OVERLAP) {  // warps 1..: every choice is written
     // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
     // (NTOK > 1: the routing warps too, for the other token's choices)
     if (!BROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
@@ -2538,7 +2538,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     };
     auto scales4 = [&](int k, int c) -> u32 {
       const unsigned char* b = tile_scales(unit_so(k)) + c * SCC;
-      if (MX) return ldg_u8_fill128(b + g) | ldg_u8_fill128(b + g + 8) << 8 | ldg_u8_fill128(b + 16 + g) << 16 | ldg_u8_fill128(b + 24 + g) << 24;
+      if constexpr (MX) return ldg_u8_fill128(b + g) | ldg_u8_fill128(b + g + 8) << 8 | ldg_u8_fill128(b + 16 + g) << 16 | ldg_u8_fill128(b + 24 + g) << 24;
       b += (t >> 1) * 16 + g;
       return ldg_u8_fill128(b) | ldg_u8_fill128(b + 32) << 8 | ldg_u8_fill128(b + 8) << 16 | ldg_u8_fill128(b + 40) << 24;
     };
@@ -2697,11 +2697,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         const uint4* a = weights(q / CPU) + (size_t)c * GCU + lane;
 #pragma unroll
         for (int f = 0; f < GU; ++f) b[f] = __ldcs(a + f * 32);
-        if (FP8) {
+        if constexpr (FP8) {
 #pragma unroll
           for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
         }
-        if (FP4) s4 = scales4(q / CPU, c);
+        if constexpr (FP4) s4 = scales4(q / CPU, c);
       }
     };
     constexpr int P0 = P < CPU ? P : CPU;  // the first round's loads of the first unit
@@ -2739,13 +2739,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                          : *reinterpret_cast<const uint4*>((PT8 ? s_xq + (q / CPU) * H : x) + c * 32 + t * 8);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          if (MX) {  // gate's k-steps in x, y; up's in z, w
+          if constexpr (MX) {  // gate's k-steps in x, y; up's in z, w
             mx_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, (sq[s] >> (16 * m)) & 0xffu,
                    (sq[s] >> (16 * m + 8)) & 0xffu);
-          } else if (NV) {
+          } else if constexpr (NV) {
             const uint2 sc = e4m3x4_to_bf16x4(sq[s]);  // (gate g, gate g + 8), (up g, up g + 8)
             nv_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, m ? sc.y : sc.x);
-          } else if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+          } else if constexpr (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
             uint4 k0, k1;
             e4m3x16_to_bf16(buf[s][m], k0, k1);
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -2753,7 +2753,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             mma_bf16(tmp, k1, b.z, b.w);
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
-          } else if (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
+          } else if constexpr (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
             uint4 k0, k1;
             e4m3x16_to_bf16(buf[s][m], k0, k1);
             mma_bf16(acc[m], k0, b.x, b.y);
@@ -2788,19 +2788,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         gv += red[(k * WARPS + w) * 32 + r];
         uv += red[(k * WARPS + w) * 32 + 16 + r];
       }
-      if (NV) {  // the tile's scale_2 of gate and up (after its scales)
+      if constexpr (NV) {  // the tile's scale_2 of gate and up (after its scales)
         const float* s2t = reinterpret_cast<const float*>(tile_scales(unit_so(k)) + KC * SCC);
         gv *= __ldg(s2t);
         uv *= __ldg(s2t + 1);
       }
-      if (PT8) {  // input_scale * weight_scale, once
+      if constexpr (PT8) {  // input_scale * weight_scale, once
         gv *= scale_t8(k, 0, 1) * scale_t8(k, 0, 0);
         uv *= scale_t8(k, 1, 1) * scale_t8(k, 1, 0);
       }
       bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
-      if (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
+      if constexpr (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
       const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
-      if (TAGS) {
+      if constexpr (TAGS) {
         st_tagged(tact + idx, (ep << 16) | (u32)a);
       } else if (u < K * TI) {
         act[idx] = a;
@@ -2879,8 +2879,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // thread reading again only its quads that did not), or copied from L2 (other blocks wrote
   // them, before the barrier).
   if ((int)blockIdx.x < H / 16) {
-    if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
-    if (TAGS) {
+    if constexpr (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
+    if constexpr (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
       if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
@@ -2924,7 +2924,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
       request(rb);
-      if (FP8) {
+      if constexpr (FP8) {
         cp_async_wait<0>();
         __syncthreads();
       }
@@ -2964,16 +2964,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
               const int c = q + j - base;
               const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
               const uint4 w = pieces[(q + j) * PU4 + lane];
-              if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+              if constexpr (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
                 const u32 q0 = mt ? w.z : w.x, q1 = mt ? w.w : w.y;
                 const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
-                if (MX) {
+                if constexpr (MX) {
                   mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
                 } else {
                   const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
                   nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
                 }
-              } else if (PT8) {  // summed over all of K, scaled once (below)
+              } else if constexpr (PT8) {  // summed over all of K, scaled once (below)
                 uint4 k0, k1;
                 e4m3x16_to_bf16(w, k0, k1);
                 mma_bf16(o[j], k0, b.x, b.y);
@@ -3038,8 +3038,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
       }
-      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
-      if (PT8) y *= s_dsc[s];  // weight_scale * input_scale
+      if constexpr (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
+      if constexpr (PT8) y *= s_dsc[s];  // weight_scale * input_scale
       ys[s * 16 + r] = y;
     }
     __syncthreads();
