@@ -370,7 +370,7 @@ struct TileGemv {
         xrow[j][b] = xlive[j][b] ? (tok ? tok[n] : n) : 0;
       }
     float s_out[MATS];  // FP8 per-tensor: each matrix's input scale times its weight scale
-    if (FMT == MOE_W_FP8_TENSOR) {
+    if constexpr (FMT == MOE_W_FP8_TENSOR) {
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt) s_out[mt] = __ldg(scale + mt * scale_stride + 1) * __ldg(scale + mt * scale_stride);
     }
@@ -386,7 +386,7 @@ struct TileGemv {
 #pragma unroll
         for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
         uint4* ss = sring + (i % DEPTH) * SCU;
-        if (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
+        if constexpr (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
           float* xs = reinterpret_cast<float*>(st + (AU + NT) * 32);
 #pragma unroll
           for (int j = 0; j < NT; ++j)
@@ -395,9 +395,9 @@ struct TileGemv {
               cp_async4_zfill(xs + ((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4,
                               xscale + (size_t)xrow[j][b] * (KC / 4) + c / 4, xlive[j][b]);
         }
-        if (FP8B) {  // matrix mt's 128-wide K block of chunk c
+        if constexpr (FP8B) {  // matrix mt's 128-wide K block of chunk c
           if (lane < MATS) cp_async4(reinterpret_cast<float*>(ss) + lane, scale + lane * scale_stride + c / 4);
-        } else if (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
+        } else if constexpr (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
           if (lane < SCU) cp_async16(ss + lane, reinterpret_cast<const uint4*>(scale) + (size_t)c * SCU + lane, true);
         }
       }
@@ -406,10 +406,10 @@ struct TileGemv {
 #pragma unroll
     for (int i = 0; i < DEPTH - 1; ++i) issue(i);
     for (int i = 0; i < mine; ++i) {
-      if (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
+      if constexpr (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
       issue(i + DEPTH - 1);
       cp_async_wait<DEPTH - 1>();
-      if (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
+      if constexpr (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
       const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
       const u32 sb = (u32)__cvta_generic_to_shared(sring + (i % DEPTH) * SCU);  // this chunk's scales
       uint4 av[AU], bv[NT];
@@ -417,7 +417,7 @@ struct TileGemv {
       for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
 #pragma unroll
       for (int j = 0; j < NT; ++j) bv[j] = st[(AU + j) * 32];
-      if (FMT == MOE_W_BF16) {
+      if constexpr (FMT == MOE_W_BF16) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -425,7 +425,7 @@ struct TileGemv {
             mma_bf16(acc[j][mt], av[mt * AF], bv[j].x, bv[j].y);
             mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
           }
-      } else if (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
+      } else if constexpr (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt / 2];  // matrix 2p: k-steps in x, y; matrix 2p+1: in z, w
@@ -442,7 +442,7 @@ struct TileGemv {
             acc[j][mt][3] = fmaf(s_hi, tmp[3], acc[j][mt][3]);
           }
         }
-      } else if (FMT == MOE_W_NVFP4) {
+      } else if constexpr (FMT == MOE_W_NVFP4) {
         // A lane's four columns of a k-step lie in one 16-wide block (block 2c + t/2, K permuted as
         // the module comment says), so each code is scaled by its row's e4m3 scale before the
         // tensor cores, in bf16, exactly: e2m1 x e4m3 has at most 6 significant bits. scale_2
@@ -462,7 +462,7 @@ struct TileGemv {
             mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
           }
         }
-      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times the quantized rows, exactly, summed in fp32
+      } else if constexpr (FMT == MOE_W_FP8_TENSOR) {  // codes times the quantized rows, exactly, summed in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           uint4 k0, k1;
@@ -475,7 +475,7 @@ struct TileGemv {
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
         float xsc[NT][2];  // A8: the output columns' activation scales for this chunk
-        if (A8) {
+        if constexpr (A8) {
           const float* xs = reinterpret_cast<const float*>(st + (AU + NT) * 32);
 #pragma unroll
           for (int j = 0; j < NT; ++j)
@@ -492,7 +492,7 @@ struct TileGemv {
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_bf16(tmp, k0, bv[j].x, bv[j].y);
             mma_bf16(tmp, k1, bv[j].z, bv[j].w);
-            if (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
+            if constexpr (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
 #pragma unroll
               for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc * xsc[j][r & 1], tmp[r], acc[j][mt][r]);
             } else {
@@ -503,7 +503,7 @@ struct TileGemv {
         }
       }
     }
-    if (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
+    if constexpr (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt)
 #pragma unroll
@@ -511,7 +511,7 @@ struct TileGemv {
 #pragma unroll
           for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s_out[mt];
     }
-    if (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
+    if constexpr (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt) {
         const float s2 = __ldg(scale2 + mt);
@@ -589,8 +589,8 @@ MOE_DEVICE float activate(float g, float u) {
     g = fminf(g, ActRule::LIMIT);
     u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
   }
-  if (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
+  if constexpr (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
+  if constexpr (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
   return silu(g) * u;
 }
 
@@ -605,18 +605,18 @@ MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
   const int lane = threadIdx.x & 31;
   const float my_v = lane < K ? pick[lane] : 0.0f;
   float w = my_v;
-  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+  if constexpr (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
     const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
     w = lane < K ? expf(my_v - top) : 0.0f;
     w = w / (R::RENORM ? warp_sum(w) : all);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+  } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
     const float top = __shfl_sync(0xffffffffu, my_v, 0);
     w = lane < K ? expf(my_v - top) : 0.0f;
     w = w / warp_sum(w);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+  } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
     w = 1.0f / (1.0f + expf(-my_v));
   }
-  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
+  if constexpr (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
   w *= R::SCALE;
   if (lane < K) w_out[lane] = w;
 }
@@ -626,13 +626,13 @@ MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
 // sqrt-softplus; the logit itself otherwise: softmax scores need every expert).
 template <class R>
 MOE_DEVICE float route_logit(float s, const float* __restrict__ router_bias, int e) {
-  if (R::ROUTER_BIAS) s += router_bias[e];
+  if constexpr (R::ROUTER_BIAS) s += router_bias[e];
   return R::LOGITS_BF16 ? bf16_to_f32(f32_to_bf16(s)) : s;
 }
 template <class R>
 MOE_DEVICE float route_score(float s) {
-  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
-  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
+  if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
+  if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
   return s;
 }
 
@@ -699,8 +699,8 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   // the k largest logits and computes the k weights alone (LOGIT_ORDER), with no pass over the
   // experts' scores.
   constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
-  if (LOGIT_ORDER) {
-  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+  if constexpr (LOGIT_ORDER) {
+  } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
     float mx = MOE_NEG_INF;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -770,7 +770,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
       for (int i = 0; i < EPL; ++i)
         if (k32[i] >= bound) {
           s_cand[off] = full_key(i);
-          if (R::CORR_BIAS) s_cscore[off] = v[i];
+          if constexpr (R::CORR_BIAS) s_cscore[off] = v[i];
           ++off;
         }
       if (lane >= total) s_cand[lane] = 0ull;
@@ -828,7 +828,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     for (int i = 0; i < P2; ++i) {
       ck[i] = i < EPL ? order_key(sel[i]) : 0u;
       ci[i] = i;
-      if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
+      if constexpr (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
     }
 #pragma unroll
     for (int size = 2; size <= P2; size *= 2)
@@ -846,7 +846,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
             ck[o] = sw ? ki : ko;
             ci[i] = sw ? so : si;
             ci[o] = sw ? si : so;
-            if (R::CORR_BIAS) {
+            if constexpr (R::CORR_BIAS) {
               const float fi = cs[i], fo = cs[o];
               cs[i] = sw ? fo : fi;
               cs[o] = sw ? fi : fo;
@@ -864,26 +864,26 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         for (int i = 0; i + 1 < P2; ++i) {
           ck[i] = ck[i + 1];
           ci[i] = ci[i + 1];
-          if (R::CORR_BIAS) cs[i] = cs[i + 1];
+          if constexpr (R::CORR_BIAS) cs[i] = cs[i + 1];
         }
         ck[P2 - 1] = 0u;
       }
     }
   }
   __syncwarp();
-  if (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
+  if constexpr (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
     after();      // pipeline, where its shared-memory accesses and copies would queue), then the others
     __syncwarp();
     mbar_arrive(chosen);
   }
   float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
-  if (LOGIT_ORDER && !R::RENORM) {
+  if constexpr (LOGIT_ORDER && !R::RENORM) {
     const float top = s_pick[0];  // the first choice: the largest logit
 #pragma unroll
     for (int i = 0; i < EPL; ++i) all += expert(i) < E ? expf(v[i] - top) : 0.0f;
     all = warp_sum(all);
   }
-  if (OVERLAP) {
+  if constexpr (OVERLAP) {
     if (lane == 0) *all_out = all;
   } else {
     route_weights<K, R>(s_pick, all, w_out);
@@ -957,12 +957,12 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         s = 0.0f;
 #pragma unroll
         for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
-        if (R::ROUTER_BIAS) s += router_bias[e];
-        if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+        if constexpr (R::ROUTER_BIAS) s += router_bias[e];
+        if constexpr (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
       }
       v[i] = s;
     }
-    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+    if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
       float mx = MOE_NEG_INF;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -976,10 +976,10 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       sum = warp_sum(sum);
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
-    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
-    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
+    } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
     }
@@ -988,7 +988,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       const int e = lane + 32 * i;
       sel[i] = e < ES ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
     }
-    if (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
+    if constexpr (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
       constexpr int G = ES / R::NGROUP;
       float gs[R::NGROUP];
 #pragma unroll
@@ -1035,7 +1035,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     // logit) of this lane's choice, not its biased selection value.
     float my_v = 0.0f;
     int my_e = 0;
-    if (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
+    if constexpr (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
       // ids outside [0, VOCAB) read the nearest row (clamped): never a read past the table
       if (lane < K) my_e = tid2eid[(size_t)min(max(token_ids[tk], 0), R::VOCAB - 1) * K + lane];
 #pragma unroll
@@ -1060,13 +1060,13 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         if (lane + 32 * i == be) sel[i] = MOE_NEG_INF;
     }
     float w = my_v;
-    if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
       const float top = __shfl_sync(0xffffffffu, my_v, 0);
       w = lane < K ? expf(my_v - top) : 0.0f;
       w = w / warp_sum(w);
-    } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
       w = 1.0f / (1.0f + expf(-my_v));
-    } else if (R::SCORE == MOE_SCORE_SPARSEMIXER) {
+    } else if constexpr (R::SCORE == MOE_SCORE_SPARSEMIXER) {
       // Phi-3.5: round j's pick is the largest remaining logit; the softmax runs over the remaining
       // logits l with (top - l) / max(|l|, top) <= 2 eps, so the pick's weight is 1 / sum.
       for (int j = 0; j < K; ++j) {
@@ -1084,7 +1084,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         if (lane == j) w = 1.0f / sum;
       }
     }
-    if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    if constexpr (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
     w *= R::SCALE;
     if (lane < K) {
       topk_ids[tk * K + lane] = my_e;
@@ -1102,7 +1102,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   }
   if (!group) return;
   __syncthreads();
-  if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
+  if constexpr (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
     for (int e = threadIdx.x; e < E; e += THREADS)
       if (cnt[e]) atomicAdd(gcnt + e, cnt[e]);
@@ -1189,7 +1189,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       const int pos = atomicAdd(&cursor[e], 1);
       pair_pos[p] = pos;
       slot_token[pos] = p / K;
-      if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+      if constexpr (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
     }
   }
 }
@@ -1252,7 +1252,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     }
     __syncthreads();
   }
-  if (ROUTE) {
+  if constexpr (ROUTE) {
     __shared__ int is_last;
     __threadfence();
     __syncthreads();
@@ -1266,7 +1266,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
         slot_token, n, slot_w, token_ids, tid2eid);
-  } else if (KSPLIT > 1) {
+  } else if constexpr (KSPLIT > 1) {
     // One counter per (tile, y): the last of a tile's K parts adds the partials of the tokens its
     // y covers, so that no block adds all of them (the grid's y splits the tokens from 32 on).
     __shared__ int tile_last;
@@ -1298,11 +1298,11 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // the clamped activation.
 MOE_DEVICE bf16_t routed_act(float gv, float uv, const float* __restrict__ b_gate, const float* __restrict__ b_up,
                              size_t row, const float* __restrict__ slot_w, int pair) {
-  if (ActRule::EXPERT_BIAS) {
+  if constexpr (ActRule::EXPERT_BIAS) {
     gv += b_gate[row];
     uv += b_up[row];
   }
-  if (RouteRule::WEIGHT_ON_INPUT) {
+  if constexpr (RouteRule::WEIGHT_ON_INPUT) {
     const float w = slot_w[pair];
     gv *= w;
     uv *= w;
@@ -1367,11 +1367,11 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
       }
       __syncthreads();
     }
-  } else if (TIS > 0) {
+  } else if constexpr (TIS > 0) {
     // The shared expert reads only x and its weights: it need not wait for the routing (with FP8
     // activations, or FP8 per-tensor weights, it reads x's codes, which the kernel before it writes).
     constexpr bool T8S = FMTS == MOE_W_FP8_TENSOR;
-    if (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
+    if constexpr (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
@@ -1410,7 +1410,7 @@ MOE_DEVICE void weighted_choices(float (&acc)[V], int tk, int h, const float* __
   for (int j = 0; j < K; ++j) {
     const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
     if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
-      if (RouteRule::EP_RANK0) {  // added on one rank
+      if constexpr (RouteRule::EP_RANK0) {  // added on one rank
 #pragma unroll
         for (int v = 0; v < V; ++v) acc[v] = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h + v]), acc[v]);
       }
@@ -1488,7 +1488,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
           float v = GR::result(red, j, mt, r, col);
-          if (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
+          if constexpr (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
           y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = v;
         }
       }
@@ -1533,7 +1533,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
         const float4 q = __ldcg(reinterpret_cast<const float4*>(y + (size_t)pair_pos[tk * K + j] * H + h));
         v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
       });
-      if (KCS > 0) {
+      if constexpr (KCS > 0) {
         const float gs = SHARED_GATE ? gate_s[tk] : 1.0f;
         const float4 q = __ldcg(reinterpret_cast<const float4*>(ys + (size_t)tk * H + h));
         acc[u][0] = fmaf(gs, q.x, acc[u][0]), acc[u][1] = fmaf(gs, q.y, acc[u][1]);
@@ -1626,8 +1626,8 @@ MOE_DEVICE void act_quant2_body(const bf16_t* __restrict__ act, bf16_t* __restri
   grid_dep_wait();
   grid_dep_launch();
   const int first = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), warps = gridDim.x * (THREADS / 32);
-  if (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
-  if (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
+  if constexpr (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
+  if constexpr (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
 }
 
 // ---- small batches: the whole expert in one kernel, down split over K ----
@@ -1793,7 +1793,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
     }
     v[j][q][hh] = s;
   }
-  if (SHARED) {
+  if constexpr (SHARED) {
     const float* src = part_s + (size_t)tk * H + h;
     float s = 0.0f;
 #pragma unroll
@@ -1813,7 +1813,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
     const float y = eighths(j);
     v[0] = ActRule::EXPERT_BIAS ? y + b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h] : y;
   });
-  if (SHARED) acc[0] = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc[0]);
+  if constexpr (SHARED) acc[0] = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc[0]);
   out[(size_t)tk * H + h] = f32_to_bf16(acc[0]);
 }
 
@@ -1881,8 +1881,8 @@ MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restri
   const float rr = 1.0f / sqrtf(mean + NormRule::ROUTER_EPS), re = 1.0f / sqrtf(mean + NormRule::EXPERT_EPS);
   for (int h = threadIdx.x; h < H; h += THREADS) {
     const float v = bf16_to_f32(row[h]);
-    if (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
-    if (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
+    if constexpr (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
+    if constexpr (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
   }
 }
 
@@ -2017,7 +2017,7 @@ MOE_DEVICE float silu_mul(float g, float u) {
     g = fminf(g, ActRule::LIMIT);
     u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
   }
-  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
+  if constexpr (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
@@ -2045,7 +2045,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
     const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
-    if (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so that each
+    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so that each
                   // writes one token's two adjacent columns, adjacent at their permuted places too
       float h[2];
       const float bg = BIAS && i < n_out ? b0[i] : 0.0f, bu = BIAS && i < n_out ? b1[i] : 0.0f;
@@ -2626,7 +2626,7 @@ MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int
     for (int w = 0; w < warp; ++w) row += wcnt[w][e];
     tok[row] = i / top_k;
     slot[i] = row;
-    if (WOI) wrow[row] = wts[i];
+    if constexpr (WOI) wrow[row] = wts[i];
   }
 }
 // out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,

@@ -370,7 +370,7 @@ struct TileGemv {
         xrow[j][b] = xlive[j][b] ? (tok ? tok[n] : n) : 0;
       }
     float s_out[MATS];  // FP8 per-tensor: each matrix's input scale times its weight scale
-    if (FMT == MOE_W_FP8_TENSOR) {
+    if constexpr (FMT == MOE_W_FP8_TENSOR) {
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt) s_out[mt] = __ldg(scale + mt * scale_stride + 1) * __ldg(scale + mt * scale_stride);
     }
@@ -386,7 +386,7 @@ struct TileGemv {
 #pragma unroll
         for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
         uint4* ss = sring + (i % DEPTH) * SCU;
-        if (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
+        if constexpr (A8) {  // the scales of the lane's two output columns (tokens 2t, 2t+1 of each group)
           float* xs = reinterpret_cast<float*>(st + (AU + NT) * 32);
 #pragma unroll
           for (int j = 0; j < NT; ++j)
@@ -395,9 +395,9 @@ struct TileGemv {
               cp_async4_zfill(xs + ((j * 2 + b) / 4) * 128 + (j * 2 + b) % 4,
                               xscale + (size_t)xrow[j][b] * (KC / 4) + c / 4, xlive[j][b]);
         }
-        if (FP8B) {  // matrix mt's 128-wide K block of chunk c
+        if constexpr (FP8B) {  // matrix mt's 128-wide K block of chunk c
           if (lane < MATS) cp_async4(reinterpret_cast<float*>(ss) + lane, scale + lane * scale_stride + c / 4);
-        } else if (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
+        } else if constexpr (SCU > 0) {  // FP4: the chunk's scale bytes are contiguous, SCU x 16 of them
           if (lane < SCU) cp_async16(ss + lane, reinterpret_cast<const uint4*>(scale) + (size_t)c * SCU + lane, true);
         }
       }
@@ -406,10 +406,10 @@ struct TileGemv {
 #pragma unroll
     for (int i = 0; i < DEPTH - 1; ++i) issue(i);
     for (int i = 0; i < mine; ++i) {
-      if (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
+      if constexpr (SCU > 0) __syncwarp();  // every lane has read the scales of the slot about to be refilled
       issue(i + DEPTH - 1);
       cp_async_wait<DEPTH - 1>();
-      if (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
+      if constexpr (SCU > 0) __syncwarp();  // the scales other lanes copied are visible
       const uint4* st = ring + (i % DEPTH) * FRAGS * 32;
       const u32 sb = (u32)__cvta_generic_to_shared(sring + (i % DEPTH) * SCU);  // this chunk's scales
       uint4 av[AU], bv[NT];
@@ -417,7 +417,7 @@ struct TileGemv {
       for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
 #pragma unroll
       for (int j = 0; j < NT; ++j) bv[j] = st[(AU + j) * 32];
-      if (FMT == MOE_W_BF16) {
+      if constexpr (FMT == MOE_W_BF16) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -425,7 +425,7 @@ struct TileGemv {
             mma_bf16(acc[j][mt], av[mt * AF], bv[j].x, bv[j].y);
             mma_bf16(acc[j][mt], av[mt * AF + AF - 1], bv[j].z, bv[j].w);
           }
-      } else if (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
+      } else if constexpr (FMT == MOE_W_MXFP4) {  // exact bf16 codes through the tensor cores, the row scale in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           const uint4 q = av[mt / 2];  // matrix 2p: k-steps in x, y; matrix 2p+1: in z, w
@@ -442,7 +442,7 @@ struct TileGemv {
             acc[j][mt][3] = fmaf(s_hi, tmp[3], acc[j][mt][3]);
           }
         }
-      } else if (FMT == MOE_W_NVFP4) {
+      } else if constexpr (FMT == MOE_W_NVFP4) {
         // A lane's four columns of a k-step lie in one 16-wide block (block 2c + t/2, K permuted as
         // the module comment says), so each code is scaled by its row's e4m3 scale before the
         // tensor cores, in bf16, exactly: e2m1 x e4m3 has at most 6 significant bits. scale_2
@@ -462,7 +462,7 @@ struct TileGemv {
             mma_bf16(acc[j][mt], k1, bv[j].z, bv[j].w);
           }
         }
-      } else if (FMT == MOE_W_FP8_TENSOR) {  // codes times the quantized rows, exactly, summed in fp32
+      } else if constexpr (FMT == MOE_W_FP8_TENSOR) {  // codes times the quantized rows, exactly, summed in fp32
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           uint4 k0, k1;
@@ -475,7 +475,7 @@ struct TileGemv {
         }
       } else {  // FP8 block: exact bf16 codes through the tensor cores, the block scale in fp32
         float xsc[NT][2];  // A8: the output columns' activation scales for this chunk
-        if (A8) {
+        if constexpr (A8) {
           const float* xs = reinterpret_cast<const float*>(st + (AU + NT) * 32);
 #pragma unroll
           for (int j = 0; j < NT; ++j)
@@ -492,7 +492,7 @@ struct TileGemv {
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_bf16(tmp, k0, bv[j].x, bv[j].y);
             mma_bf16(tmp, k1, bv[j].z, bv[j].w);
-            if (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
+            if constexpr (A8) {  // columns 2t (r = 0, 2) and 2t + 1 (r = 1, 3)
 #pragma unroll
               for (int r = 0; r < 4; ++r) acc[j][mt][r] = fmaf(sc * xsc[j][r & 1], tmp[r], acc[j][mt][r]);
             } else {
@@ -503,7 +503,7 @@ struct TileGemv {
         }
       }
     }
-    if (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
+    if constexpr (FMT == MOE_W_FP8_TENSOR) {  // input_scale * weight_scale, once
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt)
 #pragma unroll
@@ -511,7 +511,7 @@ struct TileGemv {
 #pragma unroll
           for (int r = 0; r < 4; ++r) acc[j][mt][r] *= s_out[mt];
     }
-    if (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
+    if constexpr (FMT == MOE_W_NVFP4) {  // each matrix's scale_2, once
 #pragma unroll
       for (int mt = 0; mt < MATS; ++mt) {
         const float s2 = __ldg(scale2 + mt);
@@ -589,8 +589,8 @@ MOE_DEVICE float activate(float g, float u) {
     g = fminf(g, ActRule::LIMIT);
     u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
   }
-  if (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
+  if constexpr (ActRule::KIND == MOE_ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
+  if constexpr (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return (u + 1.0f) * g / (1.0f + expf(-ActRule::ALPHA * g));
   return silu(g) * u;
 }
 
@@ -605,18 +605,18 @@ MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
   const int lane = threadIdx.x & 31;
   const float my_v = lane < K ? pick[lane] : 0.0f;
   float w = my_v;
-  if (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
+  if constexpr (LOGIT_ORDER) {  // exp(l_j - max) over the sum of the k (RENORM) or of all experts
     const float top = __shfl_sync(0xffffffffu, my_v, 0);  // the first choice: the largest logit
     w = lane < K ? expf(my_v - top) : 0.0f;
     w = w / (R::RENORM ? warp_sum(w) : all);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+  } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
     const float top = __shfl_sync(0xffffffffu, my_v, 0);
     w = lane < K ? expf(my_v - top) : 0.0f;
     w = w / warp_sum(w);
-  } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+  } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
     w = 1.0f / (1.0f + expf(-my_v));
   }
-  if (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
+  if constexpr (R::RENORM && !LOGIT_ORDER) w = w / warp_sum(lane < K ? w : 0.0f);
   w *= R::SCALE;
   if (lane < K) w_out[lane] = w;
 }
@@ -626,13 +626,13 @@ MOE_DEVICE void route_weights(const float* pick, float all, float* w_out) {
 // sqrt-softplus; the logit itself otherwise: softmax scores need every expert).
 template <class R>
 MOE_DEVICE float route_logit(float s, const float* __restrict__ router_bias, int e) {
-  if (R::ROUTER_BIAS) s += router_bias[e];
+  if constexpr (R::ROUTER_BIAS) s += router_bias[e];
   return R::LOGITS_BF16 ? bf16_to_f32(f32_to_bf16(s)) : s;
 }
 template <class R>
 MOE_DEVICE float route_score(float s) {
-  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
-  if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
+  if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) return 1.0f / (1.0f + expf(-s));
+  if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) return sqrtf(softplus(s));
   return s;
 }
 
@@ -699,8 +699,8 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
   // the k largest logits and computes the k weights alone (LOGIT_ORDER), with no pass over the
   // experts' scores.
   constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
-  if (LOGIT_ORDER) {
-  } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+  if constexpr (LOGIT_ORDER) {
+  } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
     float mx = MOE_NEG_INF;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -770,7 +770,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
       for (int i = 0; i < EPL; ++i)
         if (k32[i] >= bound) {
           s_cand[off] = full_key(i);
-          if (R::CORR_BIAS) s_cscore[off] = v[i];
+          if constexpr (R::CORR_BIAS) s_cscore[off] = v[i];
           ++off;
         }
       if (lane >= total) s_cand[lane] = 0ull;
@@ -828,7 +828,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
     for (int i = 0; i < P2; ++i) {
       ck[i] = i < EPL ? order_key(sel[i]) : 0u;
       ci[i] = i;
-      if (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
+      if constexpr (R::CORR_BIAS) cs[i] = i < EPL ? v[i] : 0.0f;
     }
 #pragma unroll
     for (int size = 2; size <= P2; size *= 2)
@@ -846,7 +846,7 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
             ck[o] = sw ? ki : ko;
             ci[i] = sw ? so : si;
             ci[o] = sw ? si : so;
-            if (R::CORR_BIAS) {
+            if constexpr (R::CORR_BIAS) {
               const float fi = cs[i], fo = cs[o];
               cs[i] = sw ? fo : fi;
               cs[o] = sw ? fi : fo;
@@ -864,26 +864,26 @@ MOE_DEVICE void route_one(const float* logits, const float* __restrict__ corr_bi
         for (int i = 0; i + 1 < P2; ++i) {
           ck[i] = ck[i + 1];
           ci[i] = ci[i + 1];
-          if (R::CORR_BIAS) cs[i] = cs[i + 1];
+          if constexpr (R::CORR_BIAS) cs[i] = cs[i + 1];
         }
         ck[P2 - 1] = 0u;
       }
     }
   }
   __syncwarp();
-  if (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
+  if constexpr (OVERLAP) {  // every choice written: after() (before the others' loads fill the memory
     after();      // pipeline, where its shared-memory accesses and copies would queue), then the others
     __syncwarp();
     mbar_arrive(chosen);
   }
   float all = 0.0f;  // LOGIT_ORDER without RENORM: the sum over every expert of exp(l - the largest l)
-  if (LOGIT_ORDER && !R::RENORM) {
+  if constexpr (LOGIT_ORDER && !R::RENORM) {
     const float top = s_pick[0];  // the first choice: the largest logit
 #pragma unroll
     for (int i = 0; i < EPL; ++i) all += expert(i) < E ? expf(v[i] - top) : 0.0f;
     all = warp_sum(all);
   }
-  if (OVERLAP) {
+  if constexpr (OVERLAP) {
     if (lane == 0) *all_out = all;
   } else {
     route_weights<K, R>(s_pick, all, w_out);
@@ -957,12 +957,12 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         s = 0.0f;
 #pragma unroll
         for (int p = 0; p < KSPLIT; ++p) s += __ldcg(logits + ((size_t)p * NMAX + tk) * ROWS_PAD + e);
-        if (R::ROUTER_BIAS) s += router_bias[e];
-        if (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
+        if constexpr (R::ROUTER_BIAS) s += router_bias[e];
+        if constexpr (R::LOGITS_BF16) s = bf16_to_f32(f32_to_bf16(s));
       }
       v[i] = s;
     }
-    if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
+    if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over all experts
       float mx = MOE_NEG_INF;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) mx = fmaxf(mx, v[i]);
@@ -976,10 +976,10 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       sum = warp_sum(sum);
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = v[i] / sum;
-    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
-    } else if (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
+    } else if constexpr (!R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SQRT_SOFTPLUS) {
 #pragma unroll
       for (int i = 0; i < EPL; ++i) v[i] = sqrtf(softplus(v[i]));
     }
@@ -988,7 +988,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       const int e = lane + 32 * i;
       sel[i] = e < ES ? v[i] + (R::CORR_BIAS ? corr_bias[e] : 0.0f) : MOE_NEG_INF;
     }
-    if (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
+    if constexpr (R::NGROUP > 1) {  // keep the TOPK_GROUP groups with the largest sum of their top-2 selection values
       constexpr int G = ES / R::NGROUP;
       float gs[R::NGROUP];
 #pragma unroll
@@ -1035,7 +1035,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
     // logit) of this lane's choice, not its biased selection value.
     float my_v = 0.0f;
     int my_e = 0;
-    if (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
+    if constexpr (R::HASH) {  // hash layer: the token's row of the table picks the experts; their scores weigh them
       // ids outside [0, VOCAB) read the nearest row (clamped): never a read past the table
       if (lane < K) my_e = tid2eid[(size_t)min(max(token_ids[tk], 0), R::VOCAB - 1) * K + lane];
 #pragma unroll
@@ -1060,13 +1060,13 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         if (lane + 32 * i == be) sel[i] = MOE_NEG_INF;
     }
     float w = my_v;
-    if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
+    if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX) {  // softmax over the k chosen logits
       const float top = __shfl_sync(0xffffffffu, my_v, 0);
       w = lane < K ? expf(my_v - top) : 0.0f;
       w = w / warp_sum(w);
-    } else if (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
+    } else if constexpr (R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SIGMOID) {
       w = 1.0f / (1.0f + expf(-my_v));
-    } else if (R::SCORE == MOE_SCORE_SPARSEMIXER) {
+    } else if constexpr (R::SCORE == MOE_SCORE_SPARSEMIXER) {
       // Phi-3.5: round j's pick is the largest remaining logit; the softmax runs over the remaining
       // logits l with (top - l) / max(|l|, top) <= 2 eps, so the pick's weight is 1 / sum.
       for (int j = 0; j < K; ++j) {
@@ -1084,7 +1084,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
         if (lane == j) w = 1.0f / sum;
       }
     }
-    if (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
+    if constexpr (R::RENORM) w = w / warp_sum(lane < K ? w : 0.0f);
     w *= R::SCALE;
     if (lane < K) {
       topk_ids[tk * K + lane] = my_e;
@@ -1102,7 +1102,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
   }
   if (!group) return;
   __syncthreads();
-  if (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
+  if constexpr (MULTI) {  // this block's counts into the global ones; the last block goes on with all of them
     __shared__ int is_last;
     for (int e = threadIdx.x; e < E; e += THREADS)
       if (cnt[e]) atomicAdd(gcnt + e, cnt[e]);
@@ -1189,7 +1189,7 @@ MOE_DEVICE void route_body(const float* logits, const float* __restrict__ corr_b
       const int pos = atomicAdd(&cursor[e], 1);
       pair_pos[p] = pos;
       slot_token[pos] = p / K;
-      if (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
+      if constexpr (R::WEIGHT_ON_INPUT) slot_w[pos] = MULTI ? __ldcg(topk_w + p) : topk_w[p];
     }
   }
 }
@@ -1252,7 +1252,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     }
     __syncthreads();
   }
-  if (ROUTE) {
+  if constexpr (ROUTE) {
     __shared__ int is_last;
     __threadfence();
     __syncthreads();
@@ -1266,7 +1266,7 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
     route_body<E, ROWS_PAD, K, KSPLIT, NMAX, SHARED_GATE, WARPS * 32, RouteRule>(
         logits, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin,
         slot_token, n, slot_w, token_ids, tid2eid);
-  } else if (KSPLIT > 1) {
+  } else if constexpr (KSPLIT > 1) {
     // One counter per (tile, y): the last of a tile's K parts adds the partials of the tokens its
     // y covers, so that no block adds all of them (the grid's y splits the tokens from 32 on).
     __shared__ int tile_last;
@@ -1298,11 +1298,11 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
 // the clamped activation.
 MOE_DEVICE bf16_t routed_act(float gv, float uv, const float* __restrict__ b_gate, const float* __restrict__ b_up,
                              size_t row, const float* __restrict__ slot_w, int pair) {
-  if (ActRule::EXPERT_BIAS) {
+  if constexpr (ActRule::EXPERT_BIAS) {
     gv += b_gate[row];
     uv += b_up[row];
   }
-  if (RouteRule::WEIGHT_ON_INPUT) {
+  if constexpr (RouteRule::WEIGHT_ON_INPUT) {
     const float w = slot_w[pair];
     gv *= w;
     uv *= w;
@@ -1367,11 +1367,11 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
       }
       __syncthreads();
     }
-  } else if (TIS > 0) {
+  } else if constexpr (TIS > 0) {
     // The shared expert reads only x and its weights: it need not wait for the routing (with FP8
     // activations, or FP8 per-tensor weights, it reads x's codes, which the kernel before it writes).
     constexpr bool T8S = FMTS == MOE_W_FP8_TENSOR;
-    if (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
+    if constexpr (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
     grid_dep_launch();
     const int tile = blockIdx.x - routed_blocks;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
@@ -1410,7 +1410,7 @@ MOE_DEVICE void weighted_choices(float (&acc)[V], int tk, int h, const float* __
   for (int j = 0; j < K; ++j) {
     const float w = RouteRule::WEIGHT_ON_INPUT ? 1.0f : topk_w[tk * K + j];
     if (RouteRule::ZERO > 0 && topk_ids[tk * K + j] >= RouteRule::E_REAL) {
-      if (RouteRule::EP_RANK0) {  // added on one rank
+      if constexpr (RouteRule::EP_RANK0) {  // added on one rank
 #pragma unroll
         for (int v = 0; v < V; ++v) acc[v] = fmaf(w, bf16_to_f32(x[(size_t)tk * H + h + v]), acc[v]);
       }
@@ -1488,7 +1488,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
         const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
         if (tk < m) {
           float v = GR::result(red, j, mt, r, col);
-          if (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
+          if constexpr (ActRule::EXPERT_BIAS) v += b_down[(size_t)e * H + group * ROWS + mt * 16 + r];
           y[(size_t)(begin + tk) * H + group * ROWS + mt * 16 + r] = v;
         }
       }
@@ -1533,7 +1533,7 @@ MOE_DEVICE void down_body(const uint4* __restrict__ w2, const uint4* __restrict_
         const float4 q = __ldcg(reinterpret_cast<const float4*>(y + (size_t)pair_pos[tk * K + j] * H + h));
         v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
       });
-      if (KCS > 0) {
+      if constexpr (KCS > 0) {
         const float gs = SHARED_GATE ? gate_s[tk] : 1.0f;
         const float4 q = __ldcg(reinterpret_cast<const float4*>(ys + (size_t)tk * H + h));
         acc[u][0] = fmaf(gs, q.x, acc[u][0]), acc[u][1] = fmaf(gs, q.y, acc[u][1]);
@@ -1626,8 +1626,8 @@ MOE_DEVICE void act_quant2_body(const bf16_t* __restrict__ act, bf16_t* __restri
   grid_dep_wait();
   grid_dep_launch();
   const int first = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), warps = gridDim.x * (THREADS / 32);
-  if (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
-  if (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
+  if constexpr (KR > 0) quant_rows(act, actq, sa, I, n * KR, first, warps);
+  if constexpr (KS > 0) quant_rows(act_s, actq_s, sas, IS, n, first, warps);
 }
 
 // ---- small batches: the whole expert in one kernel, down split over K ----
@@ -1793,7 +1793,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
     }
     v[j][q][hh] = s;
   }
-  if (SHARED) {
+  if constexpr (SHARED) {
     const float* src = part_s + (size_t)tk * H + h;
     float s = 0.0f;
 #pragma unroll
@@ -1813,7 +1813,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
     const float y = eighths(j);
     v[0] = ActRule::EXPERT_BIAS ? y + b_down[(size_t)(topk_ids[tk * K + j] - RouteRule::EP_LO) * H + h] : y;
   });
-  if (SHARED) acc[0] = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc[0]);
+  if constexpr (SHARED) acc[0] = fmaf(SHARED_GATE ? gate_s[tk] : 1.0f, eighths(K), acc[0]);
   out[(size_t)tk * H + h] = f32_to_bf16(acc[0]);
 }
 
@@ -2039,7 +2039,7 @@ template <int E, int K, bool SHARED_GATE, class R>
 MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const float* gl, float* w_out, float* gate) {
   constexpr bool LOGIT_ORDER = !R::SELECT_LOGITS && R::SCORE == MOE_SCORE_SOFTMAX && !R::CORR_BIAS;
   float sum = 0.0f;
-  if (LOGIT_ORDER && !R::RENORM) {
+  if constexpr (LOGIT_ORDER && !R::RENORM) {
     const float top = pick[0];  // the first choice: the largest logit
     for (int e = threadIdx.x & 31; e < E; e += 32) sum += expf(v_all[e] - top);
     sum = warp_sum(sum);
@@ -2199,9 +2199,9 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   const u32 ubar = (u32)__cvta_generic_to_shared(ubar_mem);  // COLS: unit k's: ubar + 8 * k
   if (threadIdx.x == 0) {
     for (int s = 0; s < DSLOTS; ++s) mbar_init(bar + 8 * s, 1);
-    if (COLS)
+    if constexpr (COLS)
       for (int k = 0; k < URT; ++k) mbar_init(ubar + 8 * k, THREADS);
-    if (OVERLAP) mbar_init(rbar, 32 * NTOK);
+    if constexpr (OVERLAP) mbar_init(rbar, 32 * NTOK);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // this block's 16 output rows rb of down: request every piece (slot order, then chunks); with
@@ -2219,7 +2219,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     const u32 sbytes = FP4 ? (u32)(s < K ? KCD : KCDS) * SCC + (NV ? 16 : 0) : 0;  // FP4: its scales
     mbar_expect(bar + 8 * s, (s < K ? KCD : KCDS) * PU4 * 16 + sbytes);
     const u32 dst = (u32)__cvta_generic_to_shared(pieces + s * KCD * PU4);
-    if (TMAP) {
+    if constexpr (TMAP) {
       if (s < K) tensor_copy(dst, tmaps, 0, mt, 0, group, s_ids[s], bar + 8 * s);
       else tensor_copy(dst, static_cast<const char*>(tmaps) + 128, 0, mt, 0, group, bar + 8 * s);
     } else if (s < K) {
@@ -2227,7 +2227,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     } else {
       bulk_copy(dst, ws2 + (size_t)group * KCDS * PU4, KCDS * PU4 * 16, bar + 8 * s);
     }
-    if (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
+    if constexpr (FP4) {  // MX s2 [E][row group][chunk][tile][16 rows] E8M0; NV per row group [chunk][tile][2][16] e4m3, scale_2
       const size_t run = s < K ? (size_t)s_ids[s] * (H / (16 * TPB)) + group : (size_t)group;
       bulk_copy((u32)__cvta_generic_to_shared(s_dsc4 + s * SCB),
                 reinterpret_cast<const unsigned char*>(s < K ? s2 : ss2) + run * sbytes, sbytes, bar + 8 * s);
@@ -2253,15 +2253,15 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   auto request = [&](int rb) {
     const int group = rb / TPB, mt = rb % TPB;
     const bool skip = EARLY && rb == (int)blockIdx.x;  // operand K's pieces, asked for already
-    if (SPREAD) {
+    if constexpr (SPREAD) {
       if (warp < DSLOTS) {
         if (lane == 0 && !(skip && warp == K)) one(rb, warp);
         if (FP8 && lane < KBD) scales(rb, warp * KBD + lane);
         if (PT8 && lane == 0) scale2(warp);
       }
-      if (FP8) cp_async_commit();
+      if constexpr (FP8) cp_async_commit();
     } else if (warp == 0) {
-      if (TMAP || WHOLE) {
+      if constexpr (TMAP || WHOLE) {
         if (lane < DSLOTS && !(skip && lane == K)) one(rb, lane);
       } else {
         if (lane < DSLOTS) mbar_expect(bar + 8 * lane, (lane < K ? KCD : KCDS) * PU4 * 16);
@@ -2278,7 +2278,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
           bulk_copy((u32)__cvta_generic_to_shared(pieces + p * PU4), src, PU4 * 16, bar + 8 * (p < K * KCD ? p / KCD : K));
         }
       }
-      if (FP8) {
+      if constexpr (FP8) {
         for (int i = lane; i < DSLOTS * KBD; i += 32) scales(rb, i);
         cp_async_commit();
       }
@@ -2351,7 +2351,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       const unsigned n = NTOK > 1 ? threadIdx.x >> 4 : 0u, r = NTOK > 1 ? threadIdx.x & 15 : threadIdx.x;
       float s = 0.0f;
       for (int w = 0; w < WARPS; ++w) s += red[(n * WARPS + w) * 16 + r];
-      if (TAGS) {
+      if constexpr (TAGS) {
         st_tagged(tl + (n * KSPLIT + part) * ROWS_PAD + tile * 16 + r, ((unsigned long long)s_ep << 32) | __float_as_uint(s));
       } else {
         logits[(size_t)part * NMAX * ROWS_PAD + tile * 16 + threadIdx.x] = s;
@@ -2359,13 +2359,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     }
     __syncthreads();
   }
-  if (!OVERLAP) shared_to_l2();
+  if constexpr (!OVERLAP) shared_to_l2();
   // TMAP: the maps (written before the launch) as the tensor copies will see them, fenced by the
   // last warp while the block waits for the logits (the fence waits about a round trip)
   if (TMAP && warp == WARPS - 1 && lane < (KCDS > 0 ? 2 : 1))
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
                  ::"l"(static_cast<const char*>(tmaps) + 128 * lane) : "memory");
-  if (TAGS) {
+  if constexpr (TAGS) {
     if (threadIdx.x == 0) s_ep = word + 1;
     __syncthreads();
     // (after the block's barrier: the mbarriers' initialization is seen by the copy's thread)
@@ -2430,12 +2430,12 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       __nanosleep(64);
     }
   }
-  if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
+  if constexpr (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)
   if constexpr (ONE_RULES) {
     if constexpr (BLOCK_ROUTE || BROUTE) {  // the logits staged in shared memory
       route_block<E, K, KSPLIT, ROWS_PAD, SHARED_GATE, RouteRule, THREADS>(s_log, corr_bias, router_bias, s_ids, s_pick,
                                                                            s_vall, &s_gl);
-      if (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
+      if constexpr (BROUTE) {  // every choice seen by every warp; warp 0's weights read after a unit's mbarrier
         __syncthreads();
         if (warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
       }
@@ -2448,7 +2448,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                 OVERLAP, decltype(after), SINGLE_BOUND_MIN>(TAGS ? s_log + n * KSPLIT * ROWS_PAD : logits, corr_bias, router_bias, s_ids + n * K, s_pick + n * K,
                          s_w + n * K, s_gate + n, s_all + n, rbar, after, s_cand + 32 * n,
                          s_cscore + (RouteRule::CORR_BIAS ? 32 * n : 0));
-      if (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
+      if constexpr (COLS) {  // the choices' weights, for the columns' products (the other warps read them after a unit's mbarrier)
         __syncwarp();
         route_weights<K, RouteRule>(s_pick + n * K, s_all[n], s_w + n * K);
       }
@@ -2460,7 +2460,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         nullptr, nullptr, nullptr, nullptr, false);
   }
   static_assert(!OVERLAP || TAGS, "the overlapped route: with tagged words");
-  if (OVERLAP) {  // warps 1..: every choice is written
+  if constexpr (OVERLAP) {  // warps 1..: every choice is written
     // (SFIRST) a group whose first unit is the shared expert's: after its first loads (below)
     // (NTOK > 1: the routing warps too, for the other token's choices)
     if (!BROUTE && (NTOK > 1 || warp != 0) && !(SFIRST && (int)blockIdx.x < TIS && (int)blockIdx.x < VB)) mbar_wait(rbar, 0);
@@ -2473,7 +2473,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // expert's loads first)
   if (!COLS && blockIdx.x == 0 && threadIdx.x < K * NTOK) {
     topk_ids[threadIdx.x] = s_ids[threadIdx.x];
-    if (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
+    if constexpr (!BLOCK_ROUTE && !OVERLAP) topk_w[threadIdx.x] = s_w[threadIdx.x];
   }
   // this block's first 16 output rows of down: every piece asked for now (OVERLAP: done)
   if (!OVERLAP && !LATE && (int)blockIdx.x < H / 16) request(blockIdx.x);
@@ -2538,7 +2538,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     };
     auto scales4 = [&](int k, int c) -> u32 {
       const unsigned char* b = tile_scales(unit_so(k)) + c * SCC;
-      if (MX) return ldg_u8_fill128(b + g) | ldg_u8_fill128(b + g + 8) << 8 | ldg_u8_fill128(b + 16 + g) << 16 | ldg_u8_fill128(b + 24 + g) << 24;
+      if constexpr (MX) return ldg_u8_fill128(b + g) | ldg_u8_fill128(b + g + 8) << 8 | ldg_u8_fill128(b + 16 + g) << 16 | ldg_u8_fill128(b + 24 + g) << 24;
       b += (t >> 1) * 16 + g;
       return ldg_u8_fill128(b) | ldg_u8_fill128(b + 32) << 8 | ldg_u8_fill128(b + 8) << 16 | ldg_u8_fill128(b + 40) << 24;
     };
@@ -2697,11 +2697,11 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         const uint4* a = weights(q / CPU) + (size_t)c * GCU + lane;
 #pragma unroll
         for (int f = 0; f < GU; ++f) b[f] = __ldcs(a + f * 32);
-        if (FP8) {
+        if constexpr (FP8) {
 #pragma unroll
           for (int m = 0; m < 2; ++m) sc[m] = scale13(q / CPU, m, c);
         }
-        if (FP4) s4 = scales4(q / CPU, c);
+        if constexpr (FP4) s4 = scales4(q / CPU, c);
       }
     };
     constexpr int P0 = P < CPU ? P : CPU;  // the first round's loads of the first unit
@@ -2739,13 +2739,13 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                          : *reinterpret_cast<const uint4*>((PT8 ? s_xq + (q / CPU) * H : x) + c * 32 + t * 8);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          if (MX) {  // gate's k-steps in x, y; up's in z, w
+          if constexpr (MX) {  // gate's k-steps in x, y; up's in z, w
             mx_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, (sq[s] >> (16 * m)) & 0xffu,
                    (sq[s] >> (16 * m + 8)) & 0xffu);
-          } else if (NV) {
+          } else if constexpr (NV) {
             const uint2 sc = e4m3x4_to_bf16x4(sq[s]);  // (gate g, gate g + 8), (up g, up g + 8)
             nv_mma(acc[m], m ? buf[s][0].z : buf[s][0].x, m ? buf[s][0].w : buf[s][0].y, b, m ? sc.y : sc.x);
-          } else if (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
+          } else if constexpr (FP8) {  // exact bf16 codes through the tensor cores, the block scale in fp32
             uint4 k0, k1;
             e4m3x16_to_bf16(buf[s][m], k0, k1);
             float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -2753,7 +2753,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
             mma_bf16(tmp, k1, b.z, b.w);
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[m][r] = fmaf(scl[s][m], tmp[r], acc[m][r]);
-          } else if (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
+          } else if constexpr (PT8) {  // exact bf16 codes times the quantized x, summed over all of K
             uint4 k0, k1;
             e4m3x16_to_bf16(buf[s][m], k0, k1);
             mma_bf16(acc[m], k0, b.x, b.y);
@@ -2788,19 +2788,19 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
         gv += red[(k * WARPS + w) * 32 + r];
         uv += red[(k * WARPS + w) * 32 + 16 + r];
       }
-      if (NV) {  // the tile's scale_2 of gate and up (after its scales)
+      if constexpr (NV) {  // the tile's scale_2 of gate and up (after its scales)
         const float* s2t = reinterpret_cast<const float*>(tile_scales(unit_so(k)) + KC * SCC);
         gv *= __ldg(s2t);
         uv *= __ldg(s2t + 1);
       }
-      if (PT8) {  // input_scale * weight_scale, once
+      if constexpr (PT8) {  // input_scale * weight_scale, once
         gv *= scale_t8(k, 0, 1) * scale_t8(k, 0, 0);
         uv *= scale_t8(k, 1, 1) * scale_t8(k, 1, 0);
       }
       bf16_t a = u < K * TI ? f32_to_bf16(activate<true>(gv, uv)) : f32_to_bf16(activate<ActRule::SHARED_LIMIT>(gv, uv));
-      if (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
+      if constexpr (PT8) a = quant_e4m3(a, __ldg(u < K * TI ? s2 + (size_t)s_ids[u / TI] * 2 + 1 : ss2 + 1));  // down's input scale
       const int idx = u < K * TI ? (u / TI) * I + (u % TI) * 16 + r : K * I + (u - K * TI) * 16 + r;
-      if (TAGS) {
+      if constexpr (TAGS) {
         st_tagged(tact + idx, (ep << 16) | (u32)a);
       } else if (u < K * TI) {
         act[idx] = a;
@@ -2811,7 +2811,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
     __syncthreads();
   }
   if (LATE && (int)blockIdx.x >= UNITS && (int)blockIdx.x < H / 16) request(blockIdx.x);  // (a block without units)
-  if (!TAGS) grid_barrier(gbar, phase);
+  if constexpr (!TAGS) grid_barrier(gbar, phase);
 
   if constexpr (COLS) {
     // 4. (COLS) block b's output rows 16 rb .. 16 rb + 15, rb = b, b + blocks, ...: each row's VB
@@ -2879,8 +2879,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // thread reading again only its quads that did not), or copied from L2 (other blocks wrote
   // them, before the barrier).
   if ((int)blockIdx.x < H / 16) {
-    if (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
-    if (TAGS) {
+    if constexpr (FP8) cp_async_wait<0>();  // this thread's copies of the down scales (request)
+    if constexpr (TAGS) {
       constexpr int PER = (NACT / 4 + THREADS - 1) / THREADS;  // 4 tagged activations per load and thread
       const u32 want = ep & 0xffffu;
       if (BLOCK_ROUTE && warp == 0) route_block_weights<E, K, SHARED_GATE, RouteRule>(s_pick, s_vall, &s_gl, s_w, s_gate);
@@ -2924,7 +2924,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads of the last pieces first
       __syncthreads();
       request(rb);
-      if (FP8) {
+      if constexpr (FP8) {
         cp_async_wait<0>();
         __syncthreads();
       }
@@ -2964,16 +2964,16 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
               const int c = q + j - base;
               const uint4 b = g == 0 ? *reinterpret_cast<const uint4*>(s_act + s * I + c * 32 + t * 8) : make_uint4(0, 0, 0, 0);
               const uint4 w = pieces[(q + j) * PU4 + lane];
-              if (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
+              if constexpr (FP4) {  // tile 0's k-steps in x, y; tile 1's in z, w; the chunk's scales as the packed weights hold them
                 const u32 q0 = mt ? w.z : w.x, q1 = mt ? w.w : w.y;
                 const unsigned char* sc = s_dsc4 + s * SCB + c * SCC;
-                if (MX) {
+                if constexpr (MX) {
                   mx_mma(o[j], q0, q1, b, sc[mt * 16 + g], sc[mt * 16 + g + 8]);
                 } else {
                   const unsigned char* r = sc + mt * 32 + (t >> 1) * 16 + g;
                   nv_mma(o[j], q0, q1, b, e4m3x4_to_bf16x4((u32)r[0] | (u32)r[8] << 16).x);
                 }
-              } else if (PT8) {  // summed over all of K, scaled once (below)
+              } else if constexpr (PT8) {  // summed over all of K, scaled once (below)
                 uint4 k0, k1;
                 e4m3x16_to_bf16(w, k0, k1);
                 mma_bf16(o[j], k0, b.x, b.y);
@@ -3038,8 +3038,8 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) y += red[(w * DSLOTS + s) * 16 + r];
       }
-      if (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
-      if (PT8) y *= s_dsc[s];  // weight_scale * input_scale
+      if constexpr (NV) y *= reinterpret_cast<const float*>(s_dsc4 + s * SCB + (s < K ? KCD : KCDS) * SCC)[mt];  // the tile's scale_2
+      if constexpr (PT8) y *= s_dsc[s];  // weight_scale * input_scale
       ys[s * 16 + r] = y;
     }
     __syncthreads();
@@ -3048,7 +3048,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
       float acc = 0.0f;
 #pragma unroll
       for (int j = 0; j < K; ++j) acc = fmaf(s_w[j], ys[j * 16 + r], acc);
-      if (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
+      if constexpr (KCDS > 0) acc = fmaf(SHARED_GATE ? s_gate[0] : 1.0f, ys[K * 16 + r], acc);
       out[rb * 16 + r] = f32_to_bf16(acc);
     }
     __syncthreads();
@@ -3127,8 +3127,8 @@ MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restri
   const float rr = 1.0f / sqrtf(mean + NormRule::ROUTER_EPS), re = 1.0f / sqrtf(mean + NormRule::EXPERT_EPS);
   for (int h = threadIdx.x; h < H; h += THREADS) {
     const float v = bf16_to_f32(row[h]);
-    if (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
-    if (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
+    if constexpr (ROUTER_NORM) xr[(size_t)tk * H + h] = f32_to_bf16(v * rr * w_router[h]);
+    if constexpr (EXPERT_NORM) xe[(size_t)tk * H + h] = f32_to_bf16(v * re * w_expert[h]);
   }
 }
 
@@ -3263,7 +3263,7 @@ MOE_DEVICE float silu_mul(float g, float u) {
     g = fminf(g, ActRule::LIMIT);
     u = fminf(fmaxf(u, -ActRule::LIMIT), ActRule::LIMIT);
   }
-  if (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
+  if constexpr (ActRule::KIND == MOE_ACT_SWIGLU_CLAMPED) return __fdividef(g, 1.0f + expf(-ActRule::ALPHA * g)) * (u + 1.0f);
   return __fdividef(g, 1.0f + expf(-g)) * u;
 }
 
@@ -3291,7 +3291,7 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
     const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
-    if (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so that each
+    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so that each
                   // writes one token's two adjacent columns, adjacent at their permuted places too
       float h[2];
       const float bg = BIAS && i < n_out ? b0[i] : 0.0f, bu = BIAS && i < n_out ? b1[i] : 0.0f;
@@ -3872,7 +3872,7 @@ MOE_DEVICE void prefill_place_body(const int* __restrict__ ids, int entries, int
     for (int w = 0; w < warp; ++w) row += wcnt[w][e];
     tok[row] = i / top_k;
     slot[i] = row;
-    if (WOI) wrow[row] = wts[i];
+    if constexpr (WOI) wrow[row] = wts[i];
   }
 }
 // out[t, c] = sum_j w[t, j] * (Y[slot[t, j], c], or x[t, c] for a zero expert), j in order, fp32,
