@@ -37,8 +37,8 @@ __device__ unsigned long long moe_trace[1024][{2 * MARKS}];
 PLACES = (
     ("  if ((int)blockIdx.x < RTILES * KSPLIT) router_weights(blockIdx.x);\n", "  MOE_MARK(0, 0);\n", True),
     ("  grid_dep_wait();  // x (and the last call's readers of this workspace) are done\n", "  MOE_MARK(1, 0);\n", False),
-    ("  if (!OVERLAP) shared_to_l2();\n", "  MOE_MARK(2, 0);\n", True),
-    ("  if (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)\n", "  MOE_MARK(3, 0);\n", True),
+    ("  if constexpr (!OVERLAP) shared_to_l2();\n", "  MOE_MARK(2, 0);\n", True),
+    ("  if constexpr (OVERLAP && !COLS) shared_to_l2();  // (warp 0 routes meanwhile)\n", "  MOE_MARK(3, 0);\n", True),
     ("  grid_dep_launch();  // every block is resident: the next kernel may be scheduled\n",
      "  MOE_MARK(4, 0); MOE_MARK(5, 32);\n", True),
     ("    // 4. (COLS) block b's output rows 16 rb", "    MOE_MARK(6, 0); MOE_MARK(7, 32);\n", True),
@@ -50,7 +50,7 @@ PLACES = (
     ("    const u32 bound = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < K ? head "
      ": 0xffffffffu);\n", "    MOE_MARK(11, 0);\n", False),
     ("    off -= cnt;\n", "    MOE_MARK(12, 0);\n", False),
-    ("  __syncwarp();\n  if (OVERLAP) {  // every choice written", "  MOE_MARK(13, 0);\n", True),
+    ("  __syncwarp();\n  if constexpr (OVERLAP) {  // every choice written", "  MOE_MARK(13, 0);\n", True),
     ("    mbar_arrive(chosen);\n  }\n", "  MOE_MARK(14, 0);\n", False),
     ("  if (SHARED_GATE && tid == 0) {\n    float s = 0.0f;", "  MOE_MARK(20, 0);\n", True),
     ("    __syncthreads();\n    // every warp holding experts: T", "    MOE_MARK(21, 0);\n", True),
