@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .families import FP4_FORMATS, QUANT_THREADS, quant_blocks
-from .prefill import DOWN_MATS, MAX_EXPERTS, PERSISTENT_KTILES, GemmTiles
+from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
 
 if TYPE_CHECKING:
     from .families import Layer
@@ -82,11 +82,12 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
     bulk = t.prefill_bulk_a and t.prefill_ws
     # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
     fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
-    return GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
-                     ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
-                     bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws,
-                     stage_y=pair and bm == 128 and c.i // 64 <= PERSISTENT_KTILES
-                     and (t.prefill_stage_y if t.prefill_stage_y is not None else fmt == "bf16" or bool(fp4)))
+    g = GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
+                  ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
+                  bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
+    # the staged Y tile: the routed down GEMM (K = I) persistent, two consumer warpgroups
+    want = t.prefill_stage_y if t.prefill_stage_y is not None else fmt == "bf16" or bool(fp4)
+    return replace(g, stage_y=pair and bm == 128 and g.persistent(c.i) and want)
 
 
 BNT_ARG = 10  # prefill_gemm's template argument BNT (tokens a tile, where a GEMM's differ from the layer's)
@@ -104,8 +105,8 @@ def shared_tiles_of(c: Layer) -> GemmTiles:
     experts' 128; the rest of the shape is the layer's, one template)."""
     if not c.si:
         return tiles(c)
-    t = tiles(c, c.fmt_s)  # (staged Y where its own down GEMM, K = si, runs persistent)
-    return replace(t, stage_y=t.stage_y and c.si // 64 <= PERSISTENT_KTILES)
+    t = tiles(c, c.fmt_s)  # (staged Y where its own down GEMM, K = si, runs persistent too)
+    return replace(t, stage_y=t.stage_y and t.persistent(c.si))
 
 
 def unsupported(c: Layer) -> str:

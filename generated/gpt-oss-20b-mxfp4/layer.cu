@@ -2045,8 +2045,9 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
   for (int j = 0; j < BN / 2; j += 2) {
     const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
     const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
-    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so that each
-                  // writes one token's two adjacent columns, adjacent at their permuted places too
+    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so
+                            // that each writes one token's two adjacent columns, adjacent at their
+                            // permuted places too
       float h[2];
       const float bg = BIAS && i < n_out ? b0[i] : 0.0f, bu = BIAS && i < n_out ? b1[i] : 0.0f;
 #pragma unroll
