@@ -286,6 +286,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     tokens = tokens or [b.max_tokens for b in plan.buckets]
     rows = []
     rate: float | None = None
+    prepared: list[Any] | None = None
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
         ms = time_stack(timer, stack, xs) / 1e3
@@ -308,17 +309,25 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
         if stages:
             row["stages_us"] = _stage_times(timer, stack, xs, n)
         if compare:
-            from .baselines import time_baselines
+            from .baselines import prepare_layers, time_baselines
 
-            for name, us in time_baselines(spec, plan, weights, xs, timer).items():  # type: ignore[arg-type]
+            if prepared is None:  # once for every N (FP8 block: dequantized to BF16 here), then the host codes go
+                prepared = prepare_layers(spec, weights)  # type: ignore[arg-type]
+                weights = []
+            for name, us in time_baselines(spec, plan, weights, xs, timer, prepared).items():
                 row[f"{name}_us"] = us
                 row[f"speedup_vs_{name}"] = us / row["us"]
         rows.append(row)
     for layer in stack:
         layer.close()
-    return {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
-            "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
-            "rows": rows}
+    result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
+              "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
+              "rows": rows}
+    if compare:
+        from .baselines import describe
+
+        result["baselines"] = describe(spec)
+    return result
 
 
 def _decode_max(plan: Plan) -> int:
@@ -344,18 +353,19 @@ def marginal_us(timer: _Timer, stack: list[Layer], xs: list[Any], us: float) -> 
 
 
 def _can_compare(spec: Any) -> bool:
-    """The PyTorch baselines run the BF16 softmax-routed layers, where PyTorch is importable."""
+    """The PyTorch baselines run BF16 and FP8 block layers (the latter dequantized to BF16) routed
+    by softmax or DeepSeek-V3's sigmoid rule, where PyTorch is importable; anything else they would
+    compute differently from the layer, so they are skipped, saying why."""
     try:
         import torch  # noqa: F401
     except ImportError:
         print("--compare: PyTorch is not importable here; baselines skipped")
         return False
-    if spec.experts.format.value != "bf16" or (spec.shared_expert and spec.shared_expert.format.value != "bf16"):
-        print("--compare: the PyTorch baselines take BF16 weights; skipped for this spec")
-        return False
-    r = spec.routing
-    if r.score.value != "softmax" or r.correction_bias or r.n_group > 1 or spec.router.bias or spec.experts.zero_experts:
-        print("--compare: the PyTorch baselines route by softmax only; skipped for this spec")
+    from .baselines import unsupported
+
+    why = unsupported(spec)
+    if why:
+        print(f"--compare: the PyTorch baselines do not compute {'; '.join(why)}: skipped for this spec")
         return False
     return True
 
@@ -399,3 +409,5 @@ def _print(r: dict) -> None:
                 else f"{'-':>8} {'-':>8}")
         print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
               f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%} {more}  {st.strip()}")
+    if "baselines" in r:
+        print(f"({r['baselines']})")
