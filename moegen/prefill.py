@@ -192,12 +192,11 @@ SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "
         ("bool", "SHARED_LIMIT", "false"), ("bool", "EXPERT_BIAS", "false"))
 
 
-def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS, sms: int = 132,
+def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS,
                  other_bn: int = 0) -> dict:
     """The arguments of templates/grouped_gemm.cu.j2 for tile shape t: standalone adds the extern
     kernels of this module (the plain GEMM, gate/up and down for each of down_mats, grouping,
-    combine, permute); a layer's source calls the device functions from its own kernels. sms: the
-    multiprocessors, one GEMM block each, that the GEMMs' block order plans its waves for.
+    combine, permute); a layer's source calls the device functions from its own kernels.
     other_bn: a second tile width (tokens) some GEMMs take (the shared expert's FP8 block tile
     beside FP4 routed experts), whose register-A wgmma wrappers are rendered too."""
     def shape(bn: int) -> dict:
@@ -209,7 +208,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
         "down_stages": t.dstages,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
-        "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads, "sms": sms,
+        "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
         **{k: v for k, v in shape(t.bn).items() if k != "bn"},  # the layer's tile's (the plain GEMM's wrapper)

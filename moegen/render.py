@@ -53,14 +53,12 @@ def env() -> jinja2.Environment:
 def render_cuda(spec: Spec, plan: Plan) -> str:
     g = None
     if plan.prefill_from:  # the grouped-GEMM device functions, at the plan's tile shape
-        from .plan import TARGETS
         from .prefill import GemmTiles, grouped_args
         from .prefill_plan import other_bn
 
         w2 = next(w for w in plan.weights if w.name == "w2")
         t = GemmTiles(*plan.prefill_tiles)
-        g = grouped_args(t, standalone=False, down_mats=(w2.mats,), sms=TARGETS[plan.arch].sm_count,
-                         other_bn=other_bn(plan.kernels, t.bn))
+        g = grouped_args(t, standalone=False, down_mats=(w2.mats,), other_bn=other_bn(plan.kernels, t.bn))
     return env().get_template("layer.cu.j2").render(
         spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(), g=g,
         single=any(k.family == "single" for k in plan.kernels),  # the one-token kernel's template, where used
