@@ -159,10 +159,12 @@ def _device(wts: dict[str, Any], torch: Any) -> Any:
 
 
 def _tensor(a: Any, device: Any, torch: Any) -> Any:
-    """A weight as a torch tensor on `device`: torch tensors as they are; NumPy arrays (ml_dtypes'
-    e4m3 and bfloat16 included, which torch.from_numpy does not read) through their bytes."""
+    """A weight as a torch tensor on `device`, at its own address (moegen bench gives every layer
+    the same random weights, whose copies must not share L2 lines): torch tensors copied; NumPy
+    arrays (ml_dtypes' e4m3 and bfloat16 included, which torch.from_numpy does not read) through
+    their bytes."""
     if isinstance(a, torch.Tensor):
-        return a.to(device)
+        return a.to(device, copy=True)
     a = np.ascontiguousarray(a)
     if a.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
         return torch.from_numpy(a.view(np.uint8)).to(device).view(torch.float8_e4m3fn)

@@ -229,11 +229,9 @@ def run_bench(spec_path: str, tokens: list[int] | None = None, layers: int = 4, 
     timer = _Timer(device)
     bw = copy_bandwidth(timer, device)
     result = _measure(spec_path, tokens, layers, compare, stages, out_root, pending, device, timer, bw)
-    _print(result)
     if vs:  # another spec (e.g. the BF16 layer of a quantized one) in the same run, same token counts
         other = _measure(vs, [r["tokens"] for r in result["rows"]], layers, False, stages, out_root, pending,
                          device, timer, bw)
-        _print(other)
         result["vs"] = {"spec": other["spec"], "rows": other["rows"],
                         "time_ratio": {str(a["tokens"]): a["us"] / b["us"] for a, b in zip(result["rows"], other["rows"])}}
         print(f"time {result['spec']} / {other['spec']}: "
@@ -262,7 +260,8 @@ def timed_dir(spec: Any, plan: Plan, out_root: Path) -> Path:
 
 def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: bool, stages: bool, out_root: str,
              pending: bool, device: Any, timer: _Timer, bw: float) -> dict[str, Any]:
-    """One spec's rows: us per layer, distinct experts, floor bytes and roofline per token count."""
+    """One spec's rows: us per layer, distinct experts, floor bytes and roofline per token count,
+    each printed as soon as it is measured (a run cut short keeps what it has shown)."""
     spec = load_spec(spec_path, check_generated=not pending)
     if pending and not_generated(spec):
         print(f"{spec.name}: timing a refused spec ({'; '.join(not_generated(spec))}): its results are not checked here")
@@ -271,18 +270,21 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     rng = np.random.default_rng()
     compare = compare and _can_compare(spec)
     layers = _layer_count(plan, layers, device)
-    weights, stack = [], []
-    for i in range(layers):  # one layer's random weights at a time: the largest specs fill the device
-        if i and not compare:  # the first layer's packed weights, copied on the device (no host packing)
-            stack.append(load(gen, device=device))
-            stack[-1].load_weights_from(stack[0])
-            weights.append(None)
-            continue
-        w = _random_weights(plan, rng)
-        stack.append(load(gen, w, device=device))
-        weights.append(w if compare else None)
-        del w
+    # One set of random weights: the first layer's, copied on the device into the others (no host
+    # packing: a DeepSeek-V3 FP8 layer's codes took minutes a layer), and given to the baselines,
+    # whose prepare makes each layer's operands at their own addresses too.
+    w = _random_weights(plan, rng)
+    stack = [load(gen, w, device=device)]
+    for _ in range(layers - 1):
+        stack.append(load(gen, device=device))
+        stack[-1].load_weights_from(stack[0])
+    weights = [w] * layers if compare else []
+    del w
     props = device.properties
+    result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
+              "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
+              "rows": []}
+    _print_header(result)
     tokens = tokens or [b.max_tokens for b in plan.buckets]
     rows = []
     rate: float | None = None
@@ -318,15 +320,15 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
                 row[f"{name}_us"] = us
                 row[f"speedup_vs_{name}"] = us / row["us"]
         rows.append(row)
+        _print_row(row)
     for layer in stack:
         layer.close()
-    result = {"spec": spec.name, "gpu": device.name, "sm_count": getattr(props, "multiprocessor_count", 0),
-              "date": date.today().isoformat(), "copy_bandwidth_gbps": bw / 1e9, "layers_per_replay": layers,
-              "rows": rows}
+    result["rows"] = rows
     if compare:
         from .baselines import describe
 
         result["baselines"] = describe(spec)
+        print(f"({result['baselines']})")
     return result
 
 
@@ -392,22 +394,22 @@ def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> di
     return out
 
 
-def _print(r: dict) -> None:
+def _print_header(r: dict) -> None:
     print(f"{r['spec']} on {r['gpu']} ({r['sm_count']} SMs), {r['date']}: copy bandwidth "
           f"{r['copy_bandwidth_gbps']:.0f} GB/s, {r['layers_per_replay']} layers per graph replay")
     print(f"{'N':>5} {'us/layer':>9} {'experts':>8} {'MB':>8} {'GB/s':>7} {'roofline':>9} {'+layer':>8} {'roofline':>9}"
-          "  stages (us) / baselines")
-    for row in r["rows"]:
-        st = " ".join(f"{k}={v:.1f}" for k, v in row.get("stages_us", {}).items())
-        for name in ("torch_loop", "torch_grouped_mm"):
-            if f"{name}_us" in row:
-                st += f" {name}={row[f'{name}_us']:.1f}us (x{row[f'speedup_vs_{name}']:.2f})"
-        if "tflops" in row:
-            st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f})"
-                                                    if "matrix_fraction" in row else "") + " " + st)
-        more = (f"{row['us_marginal']:>8.1f} {row['roofline_fraction_marginal']:>8.1%}" if "us_marginal" in row
-                else f"{'-':>8} {'-':>8}")
-        print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
-              f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%} {more}  {st.strip()}")
-    if "baselines" in r:
-        print(f"({r['baselines']})")
+          "  stages (us) / baselines", flush=True)
+
+
+def _print_row(row: dict) -> None:
+    st = " ".join(f"{k}={v:.1f}" for k, v in row.get("stages_us", {}).items())
+    for name in ("torch_loop", "torch_grouped_mm"):
+        if f"{name}_us" in row:
+            st += f" {name}={row[f'{name}_us']:.1f}us (x{row[f'speedup_vs_{name}']:.2f})"
+    if "tflops" in row:
+        st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f})"
+                                                if "matrix_fraction" in row else "") + " " + st)
+    more = (f"{row['us_marginal']:>8.1f} {row['roofline_fraction_marginal']:>8.1%}" if "us_marginal" in row
+            else f"{'-':>8} {'-':>8}")
+    print(f"{row['tokens']:>5} {row['us']:>9.1f} {row['distinct_experts']:>8.1f} {row['floor_bytes'] / 1e6:>8.1f} "
+          f"{row['gbps']:>7.0f} {row['roofline_fraction']:>8.1%} {more}  {st.strip()}", flush=True)
