@@ -222,17 +222,23 @@ class Plan:
 # time, and the down GEMM with its Y tile staged ("+sy", GemmTiles.stage_y) in about 0.57 of the
 # gate/up GEMM's (Qwen3-30B-A3B, each kernel alone, 2026-12-01: 0.40-0.41 against 0.53-0.59 s, 0.25-0.28
 # against 0.42-0.53 s); dealt at the common 0.45 and 0.47 they had left its part 0 0.2-0.3 s the longer.
+# The one- and two-token kernels are dealt together, at 0.55 and 0.40 (Qwen3-30B-A3B's part holding
+# them, at 0.45 and 0.33, took 2.55 s against the other's 2.14, medians of 4 each alone, 2026-12-01;
+# the two in different parts took 2.97 s against 2.73 for both parts at once, median of 5: the
+# program holding both instantiates their templates once). Each part alone, medians of 3, the
+# dealing before -> this one: Qwen3-30B-A3B 2.45 / 2.85 -> 2.61 / 2.66 s, Mixtral-8x7B 1.97 / 2.19
+# -> 2.11 / 2.13, Qwen3-Next-80B-A3B 3.94 / 3.27 -> 3.67 / 3.67, OLMoE 1.92 / 2.13 -> 2.01 / 2.15.
 COMPILE_PARTS = 2
 SHARED_COST = 1.45
 ROUTE_BOUND = 128
 ROUTE_BOUND_COST = 0.12
-COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.45, "expert": 0.30, "prefill_gemm_down": 0.47,
+COMPILE_COST = {"prefill_gemm_gate_up": 0.50, "single": 0.55, "expert": 0.30, "prefill_gemm_down": 0.47,
                 "router+route": 0.23, "router": 0.11, "down": 0.17, "route": 0.14, "gate_up": 0.12, "combine": 0.06,
                 "pack": 0.05, "prefill_scan": 0.045, "prefill_combine": 0.02, "prefill_place": 0.02,
                 "prefill_count": 0.01, "prefill_permute": 0.01, "prefill_quant": 0.02,
                 "single+fp8": 0.44, "prefill_gemm_gate_up+fp8": 0.31, "prefill_gemm_down+fp8": 0.31,
                 "prefill_gemm_gate_up+fp8a8": 0.34, "prefill_gemm_down+fp8a8": 0.34,
-                "single+x2": 0.33, "prefill_gemm_down+sy": 0.28}
+                "single+x2": 0.40, "prefill_gemm_down+sy": 0.28}
 
 
 def compile_cost(k: Kernel) -> float:
@@ -257,14 +263,21 @@ def compile_cost(k: Kernel) -> float:
 
 
 def _deal(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
-    """The kernels with their parts (COMPILE_PARTS, fewer for fewer kernels), in their order."""
+    """The kernels with their parts (COMPILE_PARTS, fewer for fewer kernels), in their order. The
+    one- and two-token kernels are dealt as one, to one part: most of their code is the same
+    templates, instantiated once in a program that holds both."""
     parts = min(COMPILE_PARTS, len(kernels))
     load = [0.0] * parts
     part: dict[str, int] = {}
-    for k in sorted(kernels, key=lambda k: (-compile_cost(k), k.name)):
+    units: dict[str, list[Kernel]] = {}
+    for k in kernels:
+        units.setdefault("single" if k.family == "single" else k.name, []).append(k)
+    cost = {u: sum(compile_cost(k) for k in ks) for u, ks in units.items()}
+    for u in sorted(units, key=lambda u: (-cost[u], u)):
         p = min(range(parts), key=lambda i: (load[i], i))
-        load[p] += compile_cost(k)
-        part[k.name] = p
+        load[p] += cost[u]
+        for k in units[u]:
+            part[k.name] = p
     return tuple(replace(k, part=part[k.name]) for k in kernels)
 
 

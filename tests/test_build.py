@@ -421,6 +421,21 @@ def test_the_two_token_kernel_and_the_staged_down_gemm_weigh_less_when_dealt():
     assert plan.parts == 2 and abs(load[0] - load[1]) <= 0.1, load
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b", "olmoe-1b-7b"])
+def test_the_one_and_two_token_kernels_are_dealt_to_one_part(name):
+    """The one- and two-token kernels share most of their templates: they go to one part, dealt as one
+    unit at the sum of their costs, and the parts stay within the largest other kernel of each other."""
+    from moegen import plan as P
+
+    plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+    singles = [k for k in plan.kernels if k.family == "single"]
+    assert len(singles) == 2 and singles[0].part == singles[1].part, [(k.name, k.part) for k in singles]
+    cost = {k.name: P.compile_cost(k) for k in plan.kernels}
+    load = [sum(cost[k.name] for k in plan.kernels if k.part == p) for p in range(plan.parts)]
+    largest_other = max(c for n, c in cost.items() if n not in {k.name for k in singles})
+    assert plan.parts == 2 and abs(load[0] - load[1]) <= largest_other, load
+
+
 def test_cache_key_covers_what_changes_a_binary(monkeypatch: pytest.MonkeyPatch):
     k = cache_key(SMALL, ARCH)
     assert k == cache_key(SMALL, ARCH) and re.fullmatch(r"[0-9a-f]{64}", k)

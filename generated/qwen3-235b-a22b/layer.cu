@@ -3986,7 +3986,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route_e128_k8_softmax_scor
 }
 #endif
 // one token in one launch: router (8 tiles x 8 parts), route in every block, gate/up (8 x 96 tiles), down by columns streamed behind them, partial sums a block; tagged words
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(512, 1) moe_single_e128_h4096_i1536_k8_ks8_n16384_e128_k8_softmax_scores_renorm_fp32_silu_gated_t2_u6_ov_cols_br_sm_90a(const uint4* __restrict__ wr, const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s13, const float* __restrict__ ss13, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ xr, const bf16_t* __restrict__ x, float* logits, unsigned* gbar, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, bf16_t* act, bf16_t* act_s, bf16_t* __restrict__ out, unsigned long long* tl, u32* tact, u32* epoch, unsigned long long* spart, const void* tmaps) {
   single_body<128, 48, 0, 96, 0, 1536, 0, 4096, 128, 8, 128, 8, 16384, 2, false, 16, 6, 4, true, MOE_W_BF16, true, false, false, 128, 1, true>(wr, w13, ws13, w2, ws2, s13, ss13, s2, ss2, xr, x, logits, gbar, corr_bias, router_bias, topk_ids, topk_w, act, act_s, out, tl, tact, epoch, spart, tmaps);
 }
@@ -4070,7 +4070,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e128_k8_h4096_i1536_bm128_bn128_s4_ws_bulk_bf16_silu_gated_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n) {
   prefill_gemm<true, 2, true, false, false, false, true>(xp, tok, w13, tiles, h, 1536, 4096, 96, 128, n, 8, 128);
 }
