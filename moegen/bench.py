@@ -286,7 +286,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
               "rows": []}
     _print_header(result)
     tokens = tokens or [b.max_tokens for b in plan.buckets]
-    rows = []
+    rows = result["rows"]
     rate: float | None = None
     prepared: list[Any] | None = None
     for n in tokens:
@@ -323,7 +323,6 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
         _print_row(row)
     for layer in stack:
         layer.close()
-    result["rows"] = rows
     if compare:
         from .baselines import describe
 
