@@ -23,6 +23,7 @@ import numpy as np
 
 from .build import render_all, tuned_plan, write_dir
 from .plan import Plan
+from .prefill import GemmTiles
 from .runtime import Layer, _driver, _ok, _StreamRef, load
 from .spec import load_spec, not_generated
 from .weights import tensors
@@ -123,9 +124,11 @@ def copy_bandwidth(timer: _Timer, device: Any, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def matrix_rate(timer: _Timer) -> float | None:
-    """FLOP/s of a dense 8192^3 bf16 matrix product (PyTorch's, on the timer's stream), the
-    ceiling the prefill buckets are measured against; None without PyTorch."""
+def matrix_rate(timer: _Timer, fp8: bool = False) -> float | None:
+    """FLOP/s of a dense 8192^3 matrix product (PyTorch's, on the timer's stream), the ceiling the
+    prefill buckets are measured against: bf16, or with fp8 e4m3 codes times e4m3 codes into bf16
+    (torch._scaled_mm, unit scales), the rate of layers whose GEMMs take FP8 activations. None
+    without PyTorch, or where this PyTorch or GPU has no such product."""
     try:
         import torch
     except ImportError:
@@ -133,10 +136,20 @@ def matrix_rate(timer: _Timer) -> float | None:
     m = 8192
     a, b = (torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()  # (B column-major)
+            one = torch.ones((), device="cuda", dtype=torch.float32)
+            product = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+            product()
+        except (AttributeError, RuntimeError, TypeError):
+            return None
+    else:
+        product = lambda: torch.mm(a, b, out=c)  # noqa: E731
     stream = torch.cuda.ExternalStream(int(timer.stream))
     with torch.cuda.stream(stream):
-        torch.mm(a, b, out=c)
-        ms = timer.median_ms(lambda: torch.mm(a, b, out=c), 20)
+        product()
+        ms = timer.median_ms(product, 20)
     return 2.0 * m**3 / (ms * 1e-3)
 
 
@@ -303,10 +316,12 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
             row["roofline_fraction_marginal"] = need / bw / (marginal * 1e-6)
         if plan.prefill_from and n > _decode_max(plan):  # a prefill bucket: tensor-core throughput
             row["tflops"] = expert_flops(plan, n) / (ms * 1e-3) / 1e12
+            a8 = GemmTiles(*plan.prefill_tiles).a8  # (e4m3 codes times e4m3 codes: the FP8 rate)
             if rate is None:
-                rate = matrix_rate(timer) or 0.0
+                rate = matrix_rate(timer, fp8=a8) or 0.0
             if rate:
                 row["matrix_rate_tflops"] = rate / 1e12
+                row["matrix_rate_dtype"] = "e4m3" if a8 else "bf16"
                 row["matrix_fraction"] = row["tflops"] * 1e12 / rate
         if stages:
             row["stages_us"] = _stage_times(timer, stack, xs, n)
@@ -406,7 +421,8 @@ def _print_row(row: dict) -> None:
         if f"{name}_us" in row:
             st += f" {name}={row[f'{name}_us']:.1f}us (x{row[f'speedup_vs_{name}']:.2f})"
     if "tflops" in row:
-        st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f})"
+        st = (f"{row['tflops']:.0f} TFLOP/s" + (f" ({row['matrix_fraction']:.0%} of {row['matrix_rate_tflops']:.0f}"
+                                                  f"{' e4m3' if row.get('matrix_rate_dtype') == 'e4m3' else ''})"
                                                 if "matrix_fraction" in row else "") + " " + st)
     more = (f"{row['us_marginal']:>8.1f} {row['roofline_fraction_marginal']:>8.1%}" if "us_marginal" in row
             else f"{'-':>8} {'-':>8}")
