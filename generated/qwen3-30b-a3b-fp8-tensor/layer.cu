@@ -3517,8 +3517,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       const uint4* qbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
-        const int s = gk % S;
-        if (gk >= S) mbar_wait(empty + s * BSTEP, ((gk / S) - 1) & 1);
+        const int s = (int)((u32)gk % S);  // (unsigned: a mask and a shift)
+        if (gk >= S) mbar_wait(empty + s * BSTEP, ((u32)gk / S - 1) & 1);
         unsigned char* st = sbase + s * STAGE;
 #pragma unroll
         for (int j = 0; j < BJ; ++j)
@@ -3581,9 +3581,9 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
   // Two sets of A registers: k-tile g + 1's fragments load while k-tile g's wgmmas run.
   auto frags = [&](uint4 (&af)[NACC][4], int g) {
-    mbar_wait(full + (g % S) * BSTEP, (g / S) & 1);
+    mbar_wait(full + ((u32)g % S) * BSTEP, ((u32)g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
-    const u32 st = base + (u32)((g % S) * STAGE);
+    const u32 st = base + ((u32)g % S) * STAGE;
     if constexpr (A8) {  // four chunks' codes, each one e4m3 fragment
 #pragma unroll
       for (int c = 0; c < 4; ++c)
@@ -3626,7 +3626,10 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   const float* scw = nullptr;
   float scv[NACC];
   auto step = [&](int kt, int g, const uint4 (&cur)[NACC][4], uint4 (&nxt)[NACC][4]) {
-    const u32 st = base + (u32)((g % S) * STAGE);
+    const u32 st = base + ((u32)g % S) * STAGE;
+    // B's descriptor at the stage; a k-step's 32 bytes further add 2 to its address field (the
+    // stage's shared address plus 96 stays within the field's 18 bits)
+    const unsigned long long bd0 = gg::smem_desc(st);
     // the group's accumulators: the sums, or (FP8) the K block's own
     auto& d = [&]() -> float(&)[NACC][BN / 2] {
       if constexpr (FP8) return tmp; else return acc;
@@ -3642,7 +3645,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const unsigned long long bd = gg::smem_desc(st + kk * 32);
+      const unsigned long long bd = bd0 + 2 * kk;
 #pragma unroll
       for (int a = 0; a < NACC; ++a) {
         if constexpr (A8) gg::wgmma_e4m3_ra(d[a], cur[a][kk], bd, kk > 0);
@@ -3653,7 +3656,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     gg::wg_wait<1>();  // group g - 1 is done: its A registers (nxt) and its stage are free
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
-    if (kt > 0) gg::mbar_arrive(empty + ((g - 1) % S) * BSTEP);  // this thread is done with it
+    if (kt > 0) gg::mbar_arrive(empty + ((u32)(g - 1) % S) * BSTEP);  // this thread is done with it
     // the next k-tile's fragments while this group runs (A8 gate/up: after the promotion, when the
     // group's A registers are free: both sets beside the group's and the sums' accumulators spilled)
     constexpr bool LATE = A8 && NACC == 2;
@@ -3673,14 +3676,14 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
               const float f0 = scv[a] * v.x, f1 = scv[a] * v.y;
 #pragma unroll
               for (int r = 0; r < 4; ++r)
-                acc[a][4 * q + r] = (kt == 0 ? 0.0f : acc[a][4 * q + r]) + ((r & 1) ? f1 : f0) * tmp[a][4 * q + r];
+                acc[a][4 * q + r] += ((r & 1) ? f1 : f0) * tmp[a][4 * q + r];
             }
           }
         } else {
 #pragma unroll
           for (int a = 0; a < NACC; ++a)
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[a][i] = (kt == KBT - 1 ? 0.0f : acc[a][i]) + scv[a] * tmp[a][i];
+            for (int i = 0; i < BN / 2; ++i) acc[a][i] += scv[a] * tmp[a][i];
         }
       }
     }
@@ -3693,6 +3696,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
     if (rows <= 0) continue;
     const int it = gg::row_unit(blk.x, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    if constexpr (FP8) {  // the block's sums start at zero (each K block's promotion adds to them)
+#pragma unroll
+      for (int a = 0; a < NACC; ++a)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
+    }
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
       scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];
@@ -3705,7 +3714,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
     gk += ktiles;
-    gg::mbar_arrive(empty + ((gk - 1) % S) * BSTEP);
+    gg::mbar_arrive(empty + ((u32)(gk - 1) % S) * BSTEP);
     if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
       const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
                                                        ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * REC - 16);
