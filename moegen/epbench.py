@@ -1,5 +1,10 @@
 """`moegen bench --ep-size N`: an expert-parallel layer on N GPUs of this machine, one process per
-GPU (torch.multiprocessing, NCCL through torch.distributed).
+GPU (NCCL through torch.distributed).
+
+The ranks are fresh interpreters started as `python -m moegen.epbench <entry> <args.json> <rank>`
+(the way torchrun starts them), not forked or spawned from the caller: a rank imports only this
+package, whatever the caller's process holds (a test runner's capture, a CUDA context), and a rank
+that fails or hangs is named with its exit code and the end of its log.
 
 Each rank builds its share of the spec's experts (parallel.ep_size = N, ep_rank = its index),
 loads random weights of the spec's formats, and times, in CUDA-graph replays: its layer without
@@ -11,8 +16,12 @@ fastest rank, the all-reduce, and the whole layer.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -64,7 +73,7 @@ def _init_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world)
 
 
-def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, results: Any) -> None:
+def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, root: str) -> None:
     import torch
     import torch.distributed as dist
     from cuda.core import Device
@@ -80,6 +89,7 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, resul
     write_dir(gen, render_all(spec, plan))
     layer = load(gen, _random_weights(plan, np.random.default_rng(rank)), device=Device(rank))
     allreduce = torch_allreduce()
+    results = {}
     for n in tokens:
         torch.manual_seed(n)  # the same tokens on every rank
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
@@ -92,7 +102,8 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, resul
         reduce = _median_us(_captured(lambda out=out: dist.all_reduce(out), torch), torch)
         layer.set_allreduce(allreduce)
         whole = _median_us(_captured(call, torch), torch)
-        results[(rank, n)] = (alone, reduce, whole)
+        results[str(n)] = (alone, reduce, whole)
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,7 +111,6 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, resul
 def run_ep_bench(spec_path: str, world: int, tokens: list[int] | None = None, json_path: str | None = None,
                  port: int = 29537) -> int:
     import torch
-    import torch.multiprocessing as mp
 
     from .cli import BenchError
 
@@ -115,10 +125,10 @@ def run_ep_bench(spec_path: str, world: int, tokens: list[int] | None = None, js
                          check_generated=False))  # a clear error here for an impossible split
     body = yaml.safe_load(Path(spec_path).read_text())
     tokens = tokens or [1, 64]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(world, body, tokens, port, results), nprocs=world, join=True)
-        res = dict(results)
+    with tempfile.TemporaryDirectory() as root:
+        launch_ranks("bench", {"body": body, "tokens": tokens, "port": port}, world, root)
+        res = {(r, int(n)): v for r in range(world)
+               for n, v in json.loads((Path(root) / f"rank{r}.json").read_text()).items()}
     rows = []
     for n in tokens:
         per = [res[(r, n)] for r in range(world)]
@@ -194,6 +204,68 @@ def run_ep_check(body: dict, world: int, counts: list[int], root: str, port: int
     """Runs the layer of `body` (a spec mapping with parallel.ep_size 1) over `world` GPUs, one
     process per GPU, and leaves in `root`, per token count n, the expert-parallel output eager and
     replayed from a CUDA graph (eager<n>.npy, graph<n>.npy) and the single-GPU layer's (want<n>.npy)."""
-    import torch.multiprocessing as mp
+    launch_ranks("check", {"body": body, "counts": counts, "port": port, "watchdog": watchdog}, world, root,
+                 timeout=watchdog + 60.0)
 
-    mp.spawn(_check_rank, args=(world, body, counts, root, port, watchdog), nprocs=world, join=True)
+
+class RankError(RuntimeError):
+    """A rank of an expert-parallel run failed, or did not finish in time."""
+
+
+# what a rank runs: (rank, world, its arguments as run_ep_* wrote them, the run's directory)
+_ENTRIES = {
+    "bench": lambda rank, world, a, root: _rank(rank, world, a["body"], a["tokens"], a["port"], root),
+    "check": lambda rank, world, a, root: _check_rank(rank, world, a["body"], a["counts"], root, a["port"],
+                                                      a["watchdog"]),
+}
+
+
+def launch(commands: list[list[str]], logs: list[Path], timeout: float | None = None,
+           env: dict[str, str] | None = None) -> None:
+    """Runs the commands at once, each with its own log (stdout and stderr), and waits for all.
+    The first to fail, or every one still running after `timeout` seconds, stops the rest and
+    raises RankError naming the rank, its exit status and its log's last lines."""
+    procs = []
+    try:
+        for cmd, log in zip(commands, logs):
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              env={**os.environ, **(env or {})}))
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if bad is not None:
+                raise RankError(f"rank {bad} of {len(procs)} exited with status {codes[bad]}:\n{_tail(logs[bad])}")
+            if all(c == 0 for c in codes):
+                return
+            if end is not None and time.monotonic() > end:
+                late = [r for r, c in enumerate(codes) if c is None]
+                raise RankError(f"ranks {late} of {len(procs)} still running after {timeout:.0f} s; rank {late[0]}'s "
+                                f"log:\n{_tail(logs[late[0]])}")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(text[-lines:]) or "(nothing written)"
+
+
+def launch_ranks(entry: str, args: dict, world: int, root: str, timeout: float | None = None) -> None:
+    """`world` ranks of `entry` (_ENTRIES), each `python -m moegen.epbench entry args.json rank world
+    root` with its log in root/rank<r>.log."""
+    path = Path(root) / f"{entry}_args.json"
+    path.write_text(json.dumps(args))
+    commands = [[sys.executable, "-m", "moegen.epbench", entry, str(path), str(r), str(world), root]
+                for r in range(world)]
+    launch(commands, [Path(root) / f"rank{r}.log" for r in range(world)], timeout, env={"PYTHONUNBUFFERED": "1"})
+
+
+if __name__ == "__main__":  # one rank (launch_ranks)
+    _entry, _args, _r, _world, _root = sys.argv[1:6]
+    _ENTRIES[_entry](int(_r), int(_world), json.loads(Path(_args).read_text()), _root)

@@ -71,7 +71,7 @@ def test_ranks_on_several_gpus(layer_spec, counts, port, watchdog, tmp_path):
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("one process per GPU needs at least 2 GPUs")
-    # the ranks run in fresh interpreters (spawn) from a package module and return files
+    # the ranks run as fresh interpreters (python -m moegen.epbench) and return files
     run_ep_check(layer_spec or LAYER, world, list(counts), str(tmp_path), port=port, watchdog=watchdog)
     for n in counts:
         want = np.load(tmp_path / f"want{n}.npy")
