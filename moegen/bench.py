@@ -135,20 +135,21 @@ def matrix_rate(timer: _Timer, fp8: bool = False) -> float | None:
         return None
     m = 8192
     a, b = (torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
     if fp8:
-        try:
-            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()  # (B column-major)
-            one = torch.ones((), device="cuda", dtype=torch.float32)
-            product = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-            product()
-        except (AttributeError, RuntimeError, TypeError):
-            return None
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()  # (B column-major)
+        one = torch.ones((), device="cuda", dtype=torch.float32)
+        product = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     else:
-        product = lambda: torch.mm(a, b, out=c)  # noqa: E731
+        c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
+        product = lambda: torch.mm(a, b, out=c)
     stream = torch.cuda.ExternalStream(int(timer.stream))
     with torch.cuda.stream(stream):
-        product()
+        try:
+            product()  # (warm-up; FP8: whether this PyTorch and GPU have the product)
+        except (AttributeError, RuntimeError, TypeError):
+            if not fp8:
+                raise
+            return None
         ms = timer.median_ms(product, 20)
     return 2.0 * m**3 / (ms * 1e-3)
 
@@ -301,6 +302,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     tokens = tokens or [b.max_tokens for b in plan.buckets]
     rows = result["rows"]
     rate: float | None = None
+    rate_dtype = "e4m3" if plan.prefill_tiles and GemmTiles(*plan.prefill_tiles).a8 else "bf16"  # (e4m3 x e4m3 GEMMs)
     prepared: list[Any] | None = None
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
@@ -316,12 +318,11 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
             row["roofline_fraction_marginal"] = need / bw / (marginal * 1e-6)
         if plan.prefill_from and n > _decode_max(plan):  # a prefill bucket: tensor-core throughput
             row["tflops"] = expert_flops(plan, n) / (ms * 1e-3) / 1e12
-            a8 = GemmTiles(*plan.prefill_tiles).a8  # (e4m3 codes times e4m3 codes: the FP8 rate)
             if rate is None:
-                rate = matrix_rate(timer, fp8=a8) or 0.0
+                rate = matrix_rate(timer, fp8=rate_dtype == "e4m3") or 0.0
             if rate:
                 row["matrix_rate_tflops"] = rate / 1e12
-                row["matrix_rate_dtype"] = "e4m3" if a8 else "bf16"
+                row["matrix_rate_dtype"] = rate_dtype
                 row["matrix_fraction"] = row["tflops"] * 1e12 / rate
         if stages:
             row["stages_us"] = _stage_times(timer, stack, xs, n)
