@@ -1336,10 +1336,11 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
   constexpr int SMEM = TIS > 0 && GS::SMEM_BYTES > GR::SMEM_BYTES ? GS::SMEM_BYTES : GR::SMEM_BYTES;
   __shared__ uint4 red[SMEM / 16];
   constexpr int KB = KC / 4;  // 128-wide K blocks (FP8 scales)
-  // The grid is (expert slots of the bucket) x TI routed tiles, then TIS shared-expert tiles.
-  const int routed_blocks = gridDim.x - TIS;
-  if (blockIdx.x < routed_blocks) {
-    const int slot = blockIdx.x / TI, tile = blockIdx.x % TI;
+  // The grid is TIS shared-expert tiles, then (expert slots of the bucket) x TI routed tiles: the
+  // shared expert's blocks, which need not wait for the routing, are scheduled first, beside the
+  // router's last blocks, and stream while the route runs.
+  if ((int)blockIdx.x >= TIS) {
+    const int slot = (blockIdx.x - TIS) / TI, tile = (blockIdx.x - TIS) % TI;
     grid_dep_wait();  // routing must be complete
     grid_dep_launch();
     if (slot >= *num_slots) return;
@@ -1373,7 +1374,7 @@ MOE_DEVICE void gate_up_body(const uint4* __restrict__ w13, const uint4* __restr
     constexpr bool T8S = FMTS == MOE_W_FP8_TENSOR;
     if constexpr (FMTS == MOE_W_FP8_BLOCK_A8 || T8S) grid_dep_wait();
     grid_dep_launch();
-    const int tile = blockIdx.x - routed_blocks;
+    const int tile = blockIdx.x;
     const uint4* a = ws13 + (size_t)tile * KC * GS::AU * 32;
     const float* sc = FMTS == MOE_W_MXFP4 ? mx_scales(ss13, tile, KC, 2)
                       : FMTS == MOE_W_NVFP4 ? nv_scales(ss13, tile, KC, 2)
