@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .plan import Kernel, Target
 
 WARPS = 4  # warps per GEMV block: K is split over them, partial sums added in warp order
+ROUTER_TILES = 4  # the prefill router's 16-row tiles a block (router_tiles)
 STATIC_SMEM = 48 * 1024  # the cp.async ring of a GEMV block stays within static shared memory
 MAX_DEPTH = 8  # chunks per warp in the ring (DEPTH-1 in flight while one is consumed)
 PACK_THREADS = 256
@@ -461,19 +462,29 @@ def route_kernel(c: Layer, desc: str, group_max: int = 0) -> Kernel:
                    + (f" up to N = {group_max}" if group_max else ""))
 
 
-def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0) -> Kernel:
+def router_tiles(c: Layer) -> int:
+    """16-row tiles a prefill router block takes (router_logits_body's RT): as many as divide the
+    router's tiles, up to ROUTER_TILES, so that each token's activation row is read from L2 once per
+    that many tiles rather than once per tile."""
+    tiles = c.rows_pad // 16
+    return next(r for r in range(min(ROUTER_TILES, tiles), 0, -1) if tiles % r == 0)
+
+
+def router_kernel(c: Layer, nt: int, fused: bool, ksplit: int = 0, tiles: int = 1) -> Kernel:
     """The router logits; ksplit 0: the layer's K split (prefill buckets pass 1: their grid's y
-    splits the tokens instead)."""
+    splits the tokens instead, and a block takes `tiles` row tiles, router_tiles)."""
     ks = ksplit or c.ksplit
-    name = (f"moe_router_r{c.rows_pad}_h{c.h}_ks{ks}_nt{nt}_n{c.nmax}" + (f"_route_{c.route_tag}" if fused else "")
-            + f"_bf16_{c.spec.arch}")
+    name = (f"moe_router_r{c.rows_pad}_h{c.h}_ks{ks}_nt{nt}" + (f"_rt{tiles}" if tiles > 1 else "") + f"_n{c.nmax}"
+            + (f"_route_{c.route_tag}" if fused else "") + f"_bf16_{c.spec.arch}")
     # Without the route, the route's parameters are fixed placeholders: the name carries all that shapes the code.
     rt = (str(c.e), str(c.k), _b(c.gated)) if fused else ("1", "1", "false")
-    targs = (*map(str, (c.h // 32, nt, WARPS, depth(1, nt), ks, c.rows_pad, c.nmax)), _b(fused), *rt)
+    targs = (*map(str, (c.h // 32, nt, WARPS, depth(tiles, nt), ks, c.rows_pad, c.nmax)), _b(fused), *rt,
+             *((str(tiles),) if tiles > 1 else ()))
     base = (("const uint4* __restrict__ wr", "wr", "w.router"), ("const bf16_t* __restrict__ x", "x", c.x_router),
             ("float* logits", "logits", "ws.logits"), ("int* route_done", "route_done", "ws.route_done"))
     return _kernel(name, "router", WARPS * 32, targs, base, _route_sig(c, fused), "router_logits_body",
                    f"router: {c.rows_pad} rows x {c.h}, K split {ks} ways, {8 * nt} tokens per pass"
+                   + (f", {tiles} row tiles a block" if tiles > 1 else "")
                    + ("; the last block routes" if fused else "; each tile's last block adds its partials"
                       if ks > 1 else ""))
 

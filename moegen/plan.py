@@ -409,10 +409,11 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
         return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem,
                                        coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
-        router = F.router_kernel(c, nt_dense, False, ksplit=1)
+        rt = F.router_tiles(c)
+        router = F.router_kernel(c, nt_dense, False, ksplit=1, tiles=rt)
         return Bucket(nb, (
             *norm,
-            Launch(add(router), (c.rows_pad // 16, -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
+            Launch(add(router), (c.rows_pad // (16 * rt), -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
             Launch(route_name, (-(-nb // (F.ROUTE_THREADS // 32)), 1), F.ROUTE_THREADS, pdl=True),
             *P.launches(c, nb, add)))
     head = (

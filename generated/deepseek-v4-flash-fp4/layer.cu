@@ -307,8 +307,12 @@ MOE_DEVICE const float* nv_scale2(const float* tile_scales, int kc, int mats) {
   return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(tile_scales) + kc * mats * 32);
 }
 
-template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16>
+// MSTRIDE (BF16 only): 0, a chunk's fragments of the MATS matrices side by side (gate/up); else the
+// matrices are MSTRIDE uint4 apart, each with its own chunks in order (the router's consecutive
+// 16-row tiles as MATS matrices, sharing the block's activation rows).
+template <int KC, int MATS, int NT, int WARPS, int DEPTH, int FMT = MOE_W_BF16, int MSTRIDE = 0>
 struct TileGemv {
+  static_assert(MSTRIDE == 0 || FMT == MOE_W_BF16, "matrices apart: BF16 tiles only");
   static constexpr bool FP8B = FMT == MOE_W_FP8_BLOCK || FMT == MOE_W_FP8_BLOCK_A8;  // block-scaled e4m3 weights
   static constexpr bool A8 = FMT == MOE_W_FP8_BLOCK_A8;
   static constexpr int AF = FMT == MOE_W_BF16 ? 2 : 1;  // 16-byte A fragments per matrix and chunk (FP8, BF16)
@@ -382,7 +386,9 @@ struct TileGemv {
         const int c = warp + i * WARPS;
         uint4* st = ring + (i % DEPTH) * FRAGS * 32;
 #pragma unroll
-        for (int f = 0; f < AU; ++f) cp_async16(st + f * 32, a + ((size_t)c * AU + f) * 32 + lane, true);
+        for (int f = 0; f < AU; ++f)
+          cp_async16(st + f * 32, MSTRIDE ? a + (size_t)(f / AF) * MSTRIDE + ((size_t)c * AF + f % AF) * 32 + lane
+                                          : a + ((size_t)c * AU + f) * 32 + lane, true);
 #pragma unroll
         for (int j = 0; j < NT; ++j) cp_async16(st + (AU + j) * 32, xr[j] + c * 32, live[j]);
         uint4* ss = sring + (i % DEPTH) * SCU;
@@ -1224,8 +1230,10 @@ MOE_DEVICE void route_kernel_body(const float* __restrict__ logits, int* route_c
 // the small-batch path. Without it, the last block of each tile adds the tile's partials into
 // partial 0, so that the route kernel (one block) reads one partial per logit, not KSPLIT.
 // route_done: [0] the route's counter, [1 + tile] the tiles' counters.
+// RT > 1 (the prefill buckets: no K split, no route): a block takes RT consecutive 16-row tiles as
+// RT matrices over the same activation rows, so that each token's row is read once per RT tiles.
 template <int KC, int NT, int WARPS, int DEPTH, int KSPLIT, int ROWS_PAD, int NMAX, bool ROUTE, int E, int K,
-          bool SHARED_GATE>
+          bool SHARED_GATE, int RT = 1>
 MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* __restrict__ x,
                                    float* logits, int* route_done, const float* __restrict__ corr_bias,
                                    const float* __restrict__ router_bias, int* __restrict__ topk_ids,
@@ -1236,19 +1244,21 @@ MOE_DEVICE void router_logits_body(const uint4* __restrict__ wr, const bf16_t* _
                                    const int* __restrict__ token_ids = nullptr,
                                    const int* __restrict__ tid2eid = nullptr) {
   constexpr int KC_PART = KC / KSPLIT;
-  using G = TileGemv<KC_PART, 1, NT, WARPS, DEPTH>;
+  static_assert(RT == 1 || (KSPLIT == 1 && !ROUTE), "row tiles a block: without a K split or the route");
+  using G = TileGemv<KC_PART, RT, NT, WARPS, DEPTH, MOE_W_BF16, (RT > 1 ? KC * 64 : 0)>;
   __shared__ uint4 red[G::SMEM_BYTES / 16];
   const int tile = blockIdx.x / KSPLIT, part = blockIdx.x % KSPLIT;
-  const uint4* a = wr + ((size_t)tile * KC + part * KC_PART) * 64;
+  const uint4* a = wr + ((size_t)tile * RT * KC + part * KC_PART) * 64;
   const bf16_t* xs = x + part * KC_PART * 32;
   grid_dep_wait();
   grid_dep_launch();
   // The grid's y splits the tokens (prefill buckets: one pass of 8 * NT tokens a block).
   for (int n0 = blockIdx.y * 8 * NT; n0 < n; n0 += gridDim.y * 8 * NT) {
     G::run(a, xs, KC * 32, nullptr, n0, n, red);
-    for (int i = threadIdx.x; i < NT * 128; i += WARPS * 32) {
-      const int j = i >> 7, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
-      if (tk < n) logits[((size_t)part * NMAX + tk) * ROWS_PAD + tile * 16 + r] = G::result(red, j, 0, r, col);
+    for (int i = threadIdx.x; i < RT * NT * 128; i += WARPS * 32) {
+      const int mt = i / (NT * 128), j = (i >> 7) % NT, col = (i >> 4) & 7, r = i & 15, tk = n0 + j * 8 + col;
+      if (tk < n)
+        logits[((size_t)part * NMAX + tk) * ROWS_PAD + (tile * RT + mt) * 16 + r] = G::result(red, j, mt, r, col);
     }
     __syncthreads();
   }
@@ -2837,10 +2847,10 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h4096_i2048_k6_n
   down_body<64, 64, 3, 4, 4, 5, 3, 2, 128, 4096, 6, false, MOE_W_MXFP4, MOE_W_FP8_BLOCK, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 256 rows x 4096, K split 1 ways, 32 tokens per pass
+// router: 256 rows x 4096, K split 1 ways, 32 tokens per pass, 4 row tiles a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks1_nt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 4, 4, 4, 1, 256, 16384, false, 1, 1, false>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h4096_ks1_nt4_rt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 4, 4, 2, 1, 256, 16384, false, 1, 1, false, 4>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
