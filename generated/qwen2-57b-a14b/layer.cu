@@ -2130,7 +2130,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // products go to their own accumulators (two k-tiles), which are then added to the sums times
 // the block's scale in fp32, as the reference scales each block: a warpgroup's 64 rows share one.
 // A8 (FP8 activations too, DeepSeek's recipe): xp holds e4m3 codes [rows][K] in A8_ORDER and xs
-// their fp32 scales [rows][K/128] (one per token and 128 channels); the A fragments are the packed
+// their fp32 scales [K/128][rows] (one per token and 128 channels, a K block's side by side); the A fragments are the packed
 // codes regrouped by byte (e4m3_frag) and the tensor cores multiply codes by codes (wgmma k32
 // e4m3, QGMMA). A k-tile is 128 wide, one K block: its products, times the weight block's scale
 // and each token's scale, are added to the sums in fp32. GATED then writes H in column order
@@ -2222,7 +2222,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int kc = k_dim / 32, ktiles = k_dim / BK, kblocks = k_dim / 128;
+  const int kc = k_dim / 32, ktiles = k_dim / BK;
   const size_t REC = (size_t)kc * SCC + (F4 == MOE_W_NVFP4 ? 16 : 0);  // F4: bytes of a tile's scale record
   // The grid's blocks take the GEMM's blocks (row block, tile) in turn: one each with a grid of
   // them all, several with a persistent grid (one block a multiprocessor), the ring and its
@@ -2251,9 +2251,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                   (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim * ROW_BYTES_PER_K + (p & 7) * 16;
       }
       // A8: producer thread p < BN copies token row p's scale of each K block (rows past the tile: zero)
+      // (xs is [K/128][srows]: X's rows are gathered, H's in order, so a tile's scales of one K block
+      // are contiguous and its 4-byte copies share their sectors)
       const float* ssrc = xs;
       const bool salive = A8 && p < rows && p < BN;
-      if (A8 && salive) ssrc = xs + (size_t)(GATHER ? tok[row0 + p] : row0 + p) * kblocks;
+      const size_t srows = GATHER ? n : (size_t)n * topk;
+      if (A8 && salive) ssrc = xs + (GATHER ? tok[row0 + p] : row0 + p);
       // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS,
       // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
@@ -2296,7 +2299,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
               bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
                             arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * BSTEP);
           }
-          if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+          if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt * srows, salive);
           if (F4 && p < SCT) cp_async16(st + B_BYTES + WARPS * A_WARP + p * 16, fsrc + (size_t)kt * SCW, true);
         } else if constexpr (A8) {
           // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
@@ -2310,7 +2313,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                          ((size_t)kt * 4 + u) * MATS * 32;
             cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
           }
-          if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt, salive);
+          if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt * srows, salive);
         } else if constexpr (C8) {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
@@ -2710,7 +2713,7 @@ MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict
   }
 }
 // FP8 activations (A8): rows of src (bf16, in column order) as e4m3 codes in A8_ORDER, with their
-// scales [rows][k / 128]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
+// scales [k / 128][rows]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
 // decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided; lane
 // l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
 // + 0..3 of it (logical 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b).
@@ -2723,7 +2726,7 @@ MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char
     const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
     const float sc = group_scale_e4m3(v);
     *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16);
-    if (lane == 0) s[(size_t)row * kb_count + kb] = sc;
+    if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
   }
 }
 // x for the gate/up GEMMs (src2 null), or the routed activations and the shared expert's (src2).
