@@ -45,6 +45,10 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # With one consumer warpgroup (tuning prefill_bm=64) the GEMMs stream a hit expert's weights at
 # about two thirds of the rate of two, so the count doubles there: GPT-OSS-20B N = 129 / 256 398.8
 # / 596.9 against 551.8 / 564.3 (all: the H200, 2026-12-01, the same A/B).
+# FP8 block weights (weight-only), after the prefill consumers' shorter chain (the H200,
+# 2026-12-02, the same A/B): DeepSeek-V3-FP8 N = 256 / 512 3762.4 / 5046.3 against 3579.1 / 3876.8
+# (this count starts it at 1024: one bucket late), Qwen3-30B-A3B-FP8 N = 64 / 128 / 256 179.7 /
+# 200.2 / 275.6 against 221.0 / 225.4 / 230.0 (512: right). Not yet revised.
 TOKENS_PER_EXPERT = 10
 # A shared expert takes every token: on the GEMV path it streams its weights once per token group
 # (32 tokens), on the prefill GEMMs about once, so it counts as si / i more experts, each given
