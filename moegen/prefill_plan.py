@@ -48,8 +48,11 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # FP8 block weights (weight-only), after the prefill consumers' shorter chain (the H200,
 # 2026-12-02, the same A/B): DeepSeek-V3-FP8 N = 256 / 512 3762.4 / 5046.3 against 3579.1 / 3876.8
 # (this count starts it at 1024: one bucket late), Qwen3-30B-A3B-FP8 N = 64 / 128 / 256 179.7 /
-# 200.2 / 275.6 against 221.0 / 225.4 / 230.0 (512: right). Not yet revised.
+# 200.2 / 275.6 against 221.0 / 225.4 / 230.0 (512: right). So FP8 block weights cross between 8
+# tokens an expert (Qwen3-30B-A3B-FP8 at 128: GEMV ahead) and 9 (DeepSeek-V3-FP8 at 256, the shared
+# expert counted as below: prefill ahead): FP8_TOKENS_PER_EXPERT, between them.
 TOKENS_PER_EXPERT = 10
+FP8_TOKENS_PER_EXPERT = 8.5
 # A shared expert takes every token: on the GEMV path it streams its weights once per token group
 # (32 tokens), on the prefill GEMMs about once, so it counts as si / i more experts, each given
 # every token (the count above, averaged over the routed and the shared experts' widths). It moved
@@ -168,7 +171,8 @@ def unsupported(c: Layer) -> str:
 def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
     first power-of-two bucket whose smallest N (half its size, plus one) gives the experts
-    TOKENS_PER_EXPERT tokens each on average (twice as many with one consumer warpgroup), a shared
+    TOKENS_PER_EXPERT tokens each on average (FP8 block weights FP8_TOKENS_PER_EXPERT; twice as
+    many with one consumer warpgroup), a shared
     expert counted as si / i experts that take every token; with FP8 activations from
     A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may move it."""
     if unsupported(c):
@@ -178,7 +182,8 @@ def prefill_from(c: Layer) -> int:
     if tiles(c).a8:
         return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
     shared = c.si / c.i  # (in routed experts' widths)
-    first, b = math.ceil(TOKENS_PER_EXPERT * TILES.bm // tiles(c).bm * (c.e + shared) / (c.k + shared)), 1
+    per = FP8_TOKENS_PER_EXPERT if tiles(c).fp8 else TOKENS_PER_EXPERT
+    first, b = math.ceil(per * (TILES.bm // tiles(c).bm) * (c.e + shared) / (c.k + shared)), 1
     while b // 2 + 1 < first:
         b *= 2
     return b

@@ -268,7 +268,8 @@ def _compiles_clean(spec, plan, kernels) -> None:
 
 
 @pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
-                                        ("deepseek-v3-fp8", 1024), ("qwen3-30b-a3b-fp8-a8", 16),
+                                        ("deepseek-v3-fp8", 512), ("qwen3-30b-a3b-fp8", 512), ("kimi-k2-fp8", 1024),
+                                        ("qwen3-30b-a3b-fp8-a8", 16),
                                         ("llama-4-scout", 256), ("gpt-oss-20b", 256), ("gpt-oss-120b", 1024),
                                         ("qwen3-30b-a3b-mxfp4", 512), ("deepseek-v3-nvfp4", 1024),
                                         ("llama-4-maverick", 2048), ("qwen1.5-moe-a2.7b", 256),
@@ -277,9 +278,10 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
     against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
-    at 256 (too close to move its bucket of 129..256), DeepSeek-V3-FP8's 3704 against 3831 at 256
-    (2026-11-30; since the consumers' shorter chain the prefill kernels measured ahead at 256 and
-    512, 3579 against 3762 and 3877 against 5046 on 2026-12-02: not yet moved, see the README),
+    at 256 (too close to move its bucket of 129..256); FP8 block weights cross between 8 and 9 tokens an
+    expert: DeepSeek-V3-FP8's 3762 against 3579 at 256 and 5046 against 3877 at 512 (2026-12-02), so
+    from its bucket of 257..512, Qwen3-30B-A3B-FP8's 200.2 against 225.4 at 128 and 275.6 against
+    230.0 at 256, so from its bucket of 257..512 (Kimi-K2-FP8, 42.8 experts' worth a token, from 513),
     GPT-OSS-120B's 1634.6 against 1603.1 at 513; FP4 weights cross at 16-32 tokens an expert:
     Qwen3-30B-A3B-MXFP4's 299.5 against 328.3 at 257 and 441.5 against 335.2 at 512,
     DeepSeek-V3-NVFP4's 4704.0 against 5530.4 at 513 and 7989.2 against 5614.8 at 1024. A shared
