@@ -47,7 +47,7 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # / 596.9 against 551.8 / 564.3 (all: the H200, 2026-12-01, the same A/B).
 # FP8 block weights (weight-only), after the prefill consumers' shorter chain (the H200,
 # 2026-12-02, the same A/B): DeepSeek-V3-FP8 N = 256 / 512 3762.4 / 5046.3 against 3579.1 / 3876.8
-# (this count starts it at 1024: one bucket late), Qwen3-30B-A3B-FP8 N = 64 / 128 / 256 179.7 /
+# (TOKENS_PER_EXPERT had started it at 1024: one bucket late), Qwen3-30B-A3B-FP8 N = 64 / 128 / 256 179.7 /
 # 200.2 / 275.6 against 221.0 / 225.4 / 230.0 (512: right). So FP8 block weights cross between 8
 # tokens an expert (Qwen3-30B-A3B-FP8 at 128: GEMV ahead) and 9 (DeepSeek-V3-FP8 at 256, the shared
 # expert counted as below: prefill ahead): FP8_TOKENS_PER_EXPERT, between them.
@@ -172,9 +172,9 @@ def prefill_from(c: Layer) -> int:
     """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
     first power-of-two bucket whose smallest N (half its size, plus one) gives the experts
     TOKENS_PER_EXPERT tokens each on average (FP8 block weights FP8_TOKENS_PER_EXPERT; twice as
-    many with one consumer warpgroup), a shared
-    expert counted as si / i experts that take every token; with FP8 activations from
-    A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may move it."""
+    many with one consumer warpgroup), a shared expert counted as si / i experts that take every
+    token; with FP8 activations from A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may
+    move it."""
     if unsupported(c):
         return 0
     if c.tune.prefill_from:
