@@ -179,11 +179,12 @@ def prefill_from(c: Layer) -> int:
         return 0
     if c.tune.prefill_from:
         return c.tune.prefill_from
-    if tiles(c).a8:
+    t = tiles(c)
+    if t.a8:
         return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
     shared = c.si / c.i  # (in routed experts' widths)
-    per = FP8_TOKENS_PER_EXPERT if tiles(c).fp8 else TOKENS_PER_EXPERT
-    first, b = math.ceil(per * (TILES.bm // tiles(c).bm) * (c.e + shared) / (c.k + shared)), 1
+    per = FP8_TOKENS_PER_EXPERT if t.fp8 else TOKENS_PER_EXPERT
+    first, b = math.ceil(per * (TILES.bm // t.bm) * (c.e + shared) / (c.k + shared)), 1
     while b // 2 + 1 < first:
         b *= 2
     return b
