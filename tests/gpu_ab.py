@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def variant(arg: str) -> tuple[str, Tuning, list[str]]:
     label, _, items = arg.partition("=")
+    flags = {f.name for f in fields(Tuning) if "bool" in str(f.type)}  # (0 / 1 as False / True)
     tuned, defines = {}, []
     for item in filter(None, items.split(",")):
         key, eq, value = item.partition("=")
         if eq:
-            tuned[key] = int(value)
+            tuned[key] = bool(int(value)) if key in flags else int(value)
         else:
             defines.append(key)
     return label, Tuning(**tuned), defines
