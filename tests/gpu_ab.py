@@ -4,7 +4,8 @@
 
 Each variant is `label=` then comma-separated items: `key=int` a moegen.families.Tuning field, a bare
 NAME a `#define NAME 1` put before the layer's source (a measurement-only switch in the templates).
-Every variant gets the same random weights (made once, copied) and the same inputs; for each N the
+Every variant gets the same random weights (made once, copied: the variants must pack them alike,
+which Layer.load_weights_from checks) and the same inputs; for each N the
 first layer of each variant runs once on a poisoned output and its bits and routing are compared with
 the first variant's, then the variants' CUDA-graph replays (`layers` distinct layers a replay, env
 AB_LAYERS, default 4) are timed in interleaved rounds: the medians and minima, us per layer.
