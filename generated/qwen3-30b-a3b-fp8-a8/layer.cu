@@ -2061,13 +2061,12 @@ template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, boo
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr,
                               const float* __restrict__ b0 = nullptr, const float* __restrict__ b1 = nullptr) {
-#pragma unroll
-  for (int j = 0; j < BN / 2; j += 2) {
-    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
-    const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
-    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so
-                            // that each writes one token's two adjacent columns, adjacent at their
-                            // permuted places too
+  if constexpr (GATED) {
+    // The word of accumulators j, j + 1 (token n, n + 1 of weight row i): lanes 4 apart (rows i, i + 1
+    // of tokens n, n + 1) swap one activation, so that each holds one token's two adjacent columns,
+    // adjacent at their permuted places too.
+    auto word_of = [&](int j) -> u32 {
+      const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1), n = (j >> 2) * 8 + 2 * (lane & 3);
       float h[2];
       const float bg = BIAS && i < n_out ? b0[i] : 0.0f, bu = BIAS && i < n_out ? b1[i] : 0.0f;
 #pragma unroll
@@ -2079,12 +2078,33 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       }
       const bool odd = (lane >> 2) & 1;
       const float v = __shfl_xor_sync(0xffffffffu, odd ? h[0] : h[1], 4);
-      const u32 word = odd ? pack_bf16x2(v, h[1]) : pack_bf16x2(h[0], v);
-      const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i, c = col & 31;
-      const int at = PERM ? (col & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) : col;
-      if (t < rows && col < n_out)
-        *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out + at) = word;
-    } else {
+      return odd ? pack_bf16x2(v, h[1]) : pack_bf16x2(h[0], v);
+    };
+    const bool odd = (lane >> 2) & 1;
+#pragma unroll
+    for (int j = 0; j < BN / 2; j += 4) {  // accumulators j, j + 1 and j + 2, j + 3: columns col and col + 8
+      const int t = (j >> 2) * 8 + 2 * (lane & 3) + (odd ? 1 : 0), col = it * 16 + (lane >> 2) - (odd ? 1 : 0);
+      bf16_t* row = static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out;
+      const u32 w0 = word_of(j), w1 = word_of(j + 2);
+      if constexpr (PERM) {  // columns c and c + 8 (c < 8 mod 16) of a 32-wide chunk lie 2 apart: one 8-byte store
+        const int c = col & 31, at = (col & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3);
+#ifdef MOE_H_STORE32
+        if (t < rows && col < n_out) *reinterpret_cast<u32*>(row + at) = w0;
+        if (t < rows && col + 8 < n_out) *reinterpret_cast<u32*>(row + at + 2) = w1;
+#else
+        // (n_out, the layer's I, is a multiple of 64: col < n_out where col + 8 is)
+        if (t < rows && col + 8 < n_out) *reinterpret_cast<uint2*>(row + at) = make_uint2(w0, w1);
+#endif
+      } else {
+        if (t < rows && col < n_out) *reinterpret_cast<u32*>(row + col) = w0;
+        if (t < rows && col + 8 < n_out) *reinterpret_cast<u32*>(row + col + 8) = w1;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < BN / 2; j += 2) {
+      const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
+      const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
       const bool odd = (lane >> 2) & 1;
       const float bi = BIAS && i < n_out ? b0[i] : 0.0f;  // (both values are weight row i's)
       const float a0 = BIAS ? acc[m][j] + bi : acc[m][j], a1 = BIAS ? acc[m][j + 1] + bi : acc[m][j + 1];
