@@ -2041,6 +2041,37 @@ MOE_DEVICE float silu_mul(float g, float u) {
   return activate<CLAMP>(g, u);
 }
 
+// A thread's words w0 (columns col, col + 1) and w1 (col + 8, col + 9) of token row `row`, columns in
+// their natural order, col = 16 * tile + r (r = 0, 2, 4, 6 by lane / 4, rounded down to even): lanes 8
+// apart swap one word, so that each holds four adjacent columns (r = 0, 4: col .. col + 3; r = 2, 6:
+// col + 6 .. col + 9), and a warp's 8-byte stores fill each token row's 32 bytes of the tile, one
+// sector, where its 4-byte stores wrote half of each of two.
+// WIDE false: the two words by 4-byte stores (the kernels without the producer warpgroup, whose
+// 128 registers the exchange overflows; MOE_Y_STORE32: every kernel, for an A/B).
+#ifdef MOE_Y_STORE32
+constexpr bool Y_WIDE = false;  // (an A/B: 4-byte stores)
+#else
+constexpr bool Y_WIDE = true;
+#endif
+template <bool WIDE>
+MOE_DEVICE void pair_exchange(u32& w0, u32& w1, int lane) {  // w0, w1 become the two words pair_store stores
+  if constexpr (WIDE && Y_WIDE) {
+    const bool hi = (lane >> 3) & 1;  // r = 2, 6
+    const u32 x = __shfl_xor_sync(0xffffffffu, hi ? w0 : w1, 8);
+    if (hi) w0 = x; else w1 = x;
+  }
+}
+template <bool WIDE>
+MOE_DEVICE void pair_store(bf16_t* row, int col, u32 w0, u32 w1, int lane, bool ok) {
+  if constexpr (WIDE && Y_WIDE) {
+    if (ok)  // (one 64-bit word: as two u32 fields NVVM split the store in two)
+      *reinterpret_cast<unsigned long long*>(row + col + ((lane >> 3) & 1 ? 6 : 0)) =
+          (unsigned long long)w1 << 32 | w0;
+  } else if (ok) {
+    *reinterpret_cast<u32*>(row + col) = w0;
+    *reinterpret_cast<u32*>(row + col + 8) = w1;
+  }
+}
 // A warp's accumulators of its 16-row tile to memory. Accumulator j: weight row 16*it + lane/4
 // (+8 for odd j/2), token (j/4)*8 + 2*(lane%4) + j%2. GATED: H' bf16 [P][n_out], act(gate, up),
 // each column at its permuted place (PERM; otherwise H in column order, for the FP8
@@ -2056,18 +2087,21 @@ MOE_DEVICE float silu_mul(float g, float u) {
 // routed experts' with the routing weight on the input, Llama-4): gate and up of row p times its
 // (token, choice)'s weight wrow[p] before the activation, as the GEMV kernels scale them. BIAS (the
 // expert's biases, GPT-OSS; b0 and b1 this expert's, by weight row): GATED, gate + b0[i] and up +
-// b1[i] before the activation; otherwise Y + b0[i].
-template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false, bool BIAS = false>
+// b1[i] before the activation; otherwise Y + b0[i]. WIDE: a thread's two words of a token row (columns
+// c and c + 8) as one 8-byte store, side by side in the permuted H' as they are; in column order
+// after pair_exchange. (The 4-byte stores wrote 14.4 L2 sectors each, four times their bytes,
+// through the L1 data path the shared-memory pipe shares: Nsight Compute, Qwen3-30B-A3B, N = 8192.)
+template <bool GATED, int NACC, int BN, bool PERM = true, bool CLAMP = true, bool WOI = false, bool BIAS = false,
+          bool WIDE = true>
 MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane, int rows, int row0, int n_out,
                               void* __restrict__ out, int m = 0, const float* __restrict__ wrow = nullptr,
                               const float* __restrict__ b0 = nullptr, const float* __restrict__ b1 = nullptr) {
-#pragma unroll
-  for (int j = 0; j < BN / 2; j += 2) {
-    const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
-    const int n = (j >> 2) * 8 + 2 * (lane & 3);  // acc[j]: token n; acc[j + 1]: token n + 1
-    if constexpr (GATED) {  // lanes 4 apart (columns i, i + 1 of tokens n, n + 1) swap one activation, so
-                            // that each writes one token's two adjacent columns, adjacent at their
-                            // permuted places too
+  if constexpr (GATED) {
+    // The word of accumulators j, j + 1 (token n, n + 1 of weight row i): lanes 4 apart (rows i, i + 1
+    // of tokens n, n + 1) swap one activation, so that each holds one token's two adjacent columns,
+    // adjacent at their permuted places too.
+    auto word_of = [&](int j) -> u32 {
+      const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1), n = (j >> 2) * 8 + 2 * (lane & 3);
       float h[2];
       const float bg = BIAS && i < n_out ? b0[i] : 0.0f, bu = BIAS && i < n_out ? b1[i] : 0.0f;
 #pragma unroll
@@ -2079,20 +2113,59 @@ MOE_DEVICE void prefill_store(const float (&acc)[NACC][BN / 2], int it, int lane
       }
       const bool odd = (lane >> 2) & 1;
       const float v = __shfl_xor_sync(0xffffffffu, odd ? h[0] : h[1], 4);
-      const u32 word = odd ? pack_bf16x2(v, h[1]) : pack_bf16x2(h[0], v);
-      const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i, c = col & 31;
-      const int at = PERM ? (col & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3) : col;
-      if (t < rows && col < n_out)
-        *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out + at) = word;
-    } else {
+      return odd ? pack_bf16x2(v, h[1]) : pack_bf16x2(h[0], v);
+    };
+    const bool odd = (lane >> 2) & 1;
+#pragma unroll
+    for (int j = 0; j < BN / 2; j += 4) {  // accumulators j, j + 1 and j + 2, j + 3: columns col and col + 8
+      const int t = (j >> 2) * 8 + 2 * (lane & 3) + (odd ? 1 : 0), col = it * 16 + (lane >> 2) - (odd ? 1 : 0);
+      bf16_t* row = static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out;
+      const u32 w0 = word_of(j), w1 = word_of(j + 2);
+      if constexpr (PERM) {  // columns c and c + 8 (c < 8 mod 16) of a 32-wide chunk lie 2 apart: one 8-byte store
+        const int c = col & 31, at = (col & ~31) + 16 * ((c >> 2) & 1) + 8 * ((c >> 1) & 1) + 2 * (c >> 3);
+#ifdef MOE_H_STORE32
+        constexpr bool wide = false;  // (an A/B: 4-byte stores)
+#else
+        constexpr bool wide = WIDE;
+#endif
+        const bool ok = t < rows && col + 8 < n_out;  // (n_out, the layer's I, a multiple of 64: so is col < n_out)
+        if constexpr (wide) {
+          if (ok) *reinterpret_cast<uint2*>(row + at) = make_uint2(w0, w1);
+        } else if (ok) {
+          *reinterpret_cast<u32*>(row + at) = w0;
+          *reinterpret_cast<u32*>(row + at + 2) = w1;
+        }
+      } else {  // (n_out a multiple of 64: the tile's 16 columns all in range, or none)
+        u32 a = w0, b = w1;
+        pair_exchange<WIDE>(a, b, lane);
+        pair_store<WIDE>(row, col, a, b, lane, t < rows && col < n_out);
+      }
+    }
+  } else {
+    // The word of accumulators j, j + 1 of set m (weight row i, tokens n, n + 1): lanes 4 apart swap
+    // one value, so that each holds one token's two adjacent columns.
+    auto word_of = [&](int j) -> u32 {
+      const int i = it * 16 + (lane >> 2) + 8 * ((j >> 1) & 1);
       const bool odd = (lane >> 2) & 1;
       const float bi = BIAS && i < n_out ? b0[i] : 0.0f;  // (both values are weight row i's)
       const float a0 = BIAS ? acc[m][j] + bi : acc[m][j], a1 = BIAS ? acc[m][j + 1] + bi : acc[m][j + 1];
       const float v = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
-      const u32 word = odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
-      const int t = n + (odd ? 1 : 0), col = odd ? i - 1 : i;
-      if (t < rows && col < n_out)
-        *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out + col) = word;
+      return odd ? pack_bf16x2(v, a1) : pack_bf16x2(a0, v);
+    };
+    const bool odd = (lane >> 2) & 1;
+    const int col = it * 16 + (lane >> 2) - (odd ? 1 : 0);
+    u32 w[BN / 8][2];  // every exchange first, then the stores (no branch between two exchanges)
+#pragma unroll
+    for (int j = 0; j < BN / 2; j += 4) {  // accumulators j, j + 1 and j + 2, j + 3: columns col and col + 8
+      w[j / 4][0] = word_of(j);
+      w[j / 4][1] = word_of(j + 2);
+      pair_exchange<WIDE>(w[j / 4][0], w[j / 4][1], lane);
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 2; j += 4) {
+      const int t = (j >> 2) * 8 + 2 * (lane & 3) + (odd ? 1 : 0);
+      pair_store<WIDE>(static_cast<bf16_t*>(out) + (size_t)(row0 + t) * n_out, col, w[j / 4][0], w[j / 4][1], lane,
+                       t < rows && col < n_out);
     }
   }
 }
