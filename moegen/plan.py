@@ -361,8 +361,10 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
     norm_name = add(norm) if norm else ""
     add(F.pack_kernel(spec.arch))
     sizes = _buckets(spec)
-    nf = F.fused_max(c, target, sizes)
     pf = P.prefill_from(c)
+    if (cut := P.prefill_split(c)) and spec.buckets is None and cut not in sizes:
+        sizes = tuple(sorted((*sizes, cut)))  # the GEMV path up to the crossover inside pf's bucket
+    nf = F.fused_max(c, target, sizes)
     # one route kernel: it groups the tokens by expert up to the largest decode bucket (every N
     # where no bucket reaches the prefill crossover: first_pf, the first prefill bucket, 0)
     first_pf = min((s for s in sizes if pf and s >= pf), default=0)

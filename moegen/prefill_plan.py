@@ -53,6 +53,23 @@ FP8_BN = 64  # FP8 block weights: tokens a tile (two accumulator sets a matrix i
 # expert counted as below: prefill ahead): FP8_TOKENS_PER_EXPERT, between them.
 TOKENS_PER_EXPERT = 10
 FP8_TOKENS_PER_EXPERT = 8.5
+# FP4 weights: measured inside the buckets (the GEMV at the bucket's own tiles against the prefill
+# kernels at the same N; the H200, 2026-12-02, us): Qwen3-30B-A3B-NVFP4 N = 300 / 384 / 448 / 512
+# 286.8 / 304.6 / 352.0 / 414.0 against 342.4 / 343.7 / 347.0 / 348.9, a crossover near 430 (27
+# tokens an expert), where the whole 257..512 bucket had run the prefill kernels, 16% slower at 300.
+# The earlier pairs above (their GEMV rising steeply within a bucket) cross, interpolated, at about
+# 19 (Qwen3-30B-A3B-MXFP4), 26 (GPT-OSS-20B-MXFP4), 22 (DeepSeek-V3-NVFP4) and 25 (GPT-OSS-120B-MXFP4).
+FP4_TOKENS_PER_EXPERT = 26
+# FP8 and FP4 weights: the crossover is consistent across layers in tokens an expert, so the plan
+# puts a bucket edge at it (prefill_split) rather than starting the prefill kernels at the next
+# whole bucket, unless it lies within 1/SNAP of a bucket's first token count, where the prefill
+# kernels take the whole bucket: Qwen3-30B-A3B-FP8 (crossover 136) measured 260.3 / 264.5 / 274.1
+# us by the GEMV at N = 130 / 160 / 256 against 222.5 / 223.7 / 227.5 by the prefill kernels. BF16
+# crossovers spread from under 7 tokens an expert (Qwen3-Next-80B-A3B: 845.6 / 916.3 against 834.3
+# / 852.4 at N = 300 / 512) to 22 (GPT-OSS-20B: 416.7 / 450.6 against 430.3 / 435.2 at 160 / 192;
+# Qwen3-30B-A3B about 13: 321.4 / 327.7 against 322.3 / 324.0 at 192 / 224), so BF16 keeps whole
+# buckets, where a misplaced edge costs least.
+SNAP = 8
 # A shared expert takes every token: on the GEMV path it streams its weights once per token group
 # (32 tokens), on the prefill GEMMs about once, so it counts as si / i more experts, each given
 # every token (the count above, averaged over the routed and the shared experts' widths). It moved
@@ -169,25 +186,44 @@ def unsupported(c: Layer) -> str:
 
 
 def prefill_from(c: Layer) -> int:
-    """The smallest token count whose bucket runs the prefill kernels (0: none). Analytic: the
-    first power-of-two bucket whose smallest N (half its size, plus one) gives the experts
-    TOKENS_PER_EXPERT tokens each on average (FP8 block weights FP8_TOKENS_PER_EXPERT; twice as
-    many with one consumer warpgroup), a shared expert counted as si / i experts that take every
-    token; with FP8 activations from A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may
-    move it."""
+    """The first bucket (its largest token count) that runs the prefill kernels (0: none), from
+    the analytic crossover: the token count whose routed experts get TOKENS_PER_EXPERT tokens each
+    on average (FP8 block weights FP8_TOKENS_PER_EXPERT, FP4 FP4_TOKENS_PER_EXPERT; twice as many
+    with one consumer warpgroup), a shared expert counted as si / i experts that take every token;
+    with FP8 activations from A8_TOKENS_PER_EXPERT routed tokens an expert; a tuning may move it.
+    BF16 layers start at the first power-of-two bucket whose every token count is past the
+    crossover; FP8 and FP4 weights at the bucket that holds it, cut there (prefill_split)."""
+    return _crossover(c)[0]
+
+
+def prefill_split(c: Layer) -> int:
+    """The largest token count that stays on the GEMV path below the crossover inside the first
+    prefill bucket (0: the bucket is whole): the plan adds a bucket that ends there."""
+    return _crossover(c)[1]
+
+
+def _crossover(c: Layer) -> tuple[int, int]:
     if unsupported(c):
-        return 0
+        return 0, 0
     if c.tune.prefill_from:
-        return c.tune.prefill_from
+        return c.tune.prefill_from, 0
     t = tiles(c)
     if t.a8:
-        return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k)
+        return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k), 0
     shared = c.si / c.i  # (in routed experts' widths)
-    per = FP8_TOKENS_PER_EXPERT if t.fp8 else TOKENS_PER_EXPERT
-    first, b = math.ceil(per * (TILES.bm // t.bm) * (c.e + shared) / (c.k + shared)), 1
-    while b // 2 + 1 < first:
+    per = FP4_TOKENS_PER_EXPERT if t.fp4 else FP8_TOKENS_PER_EXPERT if t.fp8 else TOKENS_PER_EXPERT
+    first = math.ceil(per * (TILES.bm // t.bm) * (c.e + shared) / (c.k + shared))  # the first N past it
+    b = 1
+    if not (t.fp4 or t.fp8):
+        while b // 2 + 1 < first:
+            b *= 2
+        return b, 0
+    while b < first:
         b *= 2
-    return b
+    low = b // 2 + 1  # the bucket's first token count
+    if first <= low + (b // 2) // SNAP or b > c.nmax:
+        return b, 0
+    return b, first - 1
 
 
 def max_tiles(c: Layer, tokens: int) -> int:

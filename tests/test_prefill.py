@@ -267,14 +267,16 @@ def _compiles_clean(spec, plan, kernels) -> None:
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
 
 
-@pytest.mark.parametrize("name,first", [("qwen3-next-80b-a3b", 1024), ("qwen3-30b-a3b", 512), ("mixtral-8x7b", 128),
-                                        ("deepseek-v3-fp8", 512), ("qwen3-30b-a3b-fp8", 512), ("kimi-k2-fp8", 1024),
-                                        ("qwen3-30b-a3b-fp8-a8", 16),
-                                        ("llama-4-scout", 256), ("gpt-oss-20b", 256), ("gpt-oss-120b", 1024),
-                                        ("qwen3-30b-a3b-mxfp4", 512), ("deepseek-v3-nvfp4", 1024),
-                                        ("llama-4-maverick", 2048), ("qwen1.5-moe-a2.7b", 256),
-                                        ("qwen2-57b-a14b", 128)])
-def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
+@pytest.mark.parametrize("name,first,cut", [
+    ("qwen3-next-80b-a3b", 1024, 0), ("qwen3-30b-a3b", 512, 0), ("mixtral-8x7b", 128, 0),
+    ("deepseek-v3-fp8", 256, 242), ("qwen3-30b-a3b-fp8", 256, 0), ("kimi-k2-fp8", 512, 363),
+    ("qwen3-30b-a3b-fp8-a8", 16, 0),
+    ("llama-4-scout", 256, 0), ("gpt-oss-20b", 256, 0), ("gpt-oss-120b", 1024, 0),
+    ("qwen3-30b-a3b-mxfp4", 512, 415), ("qwen3-30b-a3b-nvfp4", 512, 415), ("deepseek-v3-nvfp4", 1024, 742),
+    ("gpt-oss-20b-mxfp4", 256, 207), ("gpt-oss-120b-mxfp4", 1024, 831),
+    ("llama-4-maverick", 2048, 0), ("qwen1.5-moe-a2.7b", 256, 0),
+    ("qwen2-57b-a14b", 128, 0)])
+def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first, cut):
     """The first prefill bucket of the analytic plan, where A/B runs on the H200 put the crossover
     (moegen.prefill_plan.TOKENS_PER_EXPERT): Qwen3-Next-80B-A3B's GEMV path 1010.9 us at N = 512
     against the prefill kernels' 869.8 (the bucket from 513 on), Qwen3-30B-A3B's 335.7 against 328.1
@@ -287,7 +289,12 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
     DeepSeek-V3-NVFP4's 4704.0 against 5530.4 at 513 and 7989.2 against 5614.8 at 1024. A shared
     expert counts as si / i experts taking every token: Llama-4-Scout's 1271.2 against 1130.0 at 129,
     Llama-4-Maverick's 10371.3 against 7612.0 at 1025, Qwen1.5-MoE-A2.7B's 395.1 against 370.2 at
-    129, Qwen2-57B-A14B's 1215.4 against 1153.5 at 65."""
+    129, Qwen2-57B-A14B's 1215.4 against 1153.5 at 65. FP8 and FP4 weights cut the bucket that holds
+    their crossover there (prefill_plan.prefill_split; the H200, 2026-12-02, each at the bucket's own
+    tiles): Qwen3-30B-A3B-NVFP4's 304.6 against 343.7 at 384 and 352.0 against 347.0 at 448;
+    DeepSeek-V3-FP8's 3609 against 3678 at 192 and 3808 against 3687 at 224; Qwen3-30B-A3B-FP8's
+    crossover (136) within an eighth of its bucket's 129, so the whole bucket: 260.3 against 222.5 at
+    130."""
     from pathlib import Path
 
     from moegen.plan import make_plan
@@ -295,7 +302,15 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first):
 
     plan = make_plan(load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml"))
     assert plan.prefill_from == first
-    assert [b.max_tokens for b in plan.buckets if b.max_tokens >= first][0] == first
+    sizes = [b.max_tokens for b in plan.buckets]
+    assert [b for b in sizes if b >= first][0] == first
+    # the GEMV path's last bucket: the crossover's cut inside the first prefill bucket, or the
+    # power of two below it; every other bucket a power of two (or max_tokens)
+    assert max(b for b in sizes if b < first) == (cut or first // 2)
+    assert [b for b in sizes if b & (b - 1) and b != plan.max_tokens] == ([cut] if cut else [])
+    for b in plan.buckets:
+        gemms = [ln.kernel for ln in b.launches if ln.kernel.startswith("moe_prefill_")]
+        assert bool(gemms) == (b.max_tokens >= first), (b.max_tokens, gemms)
 
 
 def test_the_prefill_router_blocks_cover_the_router_rows_in_row_tiles():
