@@ -103,6 +103,10 @@ class Tuning:
     # The token count from which buckets (those whose largest N reaches it) run the prefill
     # kernels (0: the analytic one, moegen.prefill_plan.prefill_from; past max_tokens: never).
     prefill_from: int = 0
+    # The largest token count of the GEMV path (0: the analytic crossover, prefill_plan): the
+    # prefill kernels from the next one on, with a bucket edge there where the power-of-two buckets
+    # have none (moegen tune measures cuts around the analytic one: a layer's own crossover).
+    prefill_cut: int = 0
     # The prefill GEMMs' block (moegen.prefill.GemmTiles): bm / 64 warpgroups of 4 warps, a 16-row
     # weight tile each warp (bm 64 or 128; 0: the analytic 128), the ring's stages (0: the analytic
     # 4), and a producer warpgroup filling the ring (mbarriers; the consumer warpgroups run on their
@@ -223,6 +227,9 @@ class Tuning:
             raise TuningError(f"tuning prefill_down_stages={self.prefill_down_stages}: 3 to 8 (0: as prefill_stages)")
         if self.prefill_from < 0:
             raise TuningError(f"tuning prefill_from={self.prefill_from}: 0 (analytic) or a token count")
+        if self.prefill_cut < 0 or (self.prefill_cut and self.prefill_from):
+            raise TuningError(f"tuning prefill_cut={self.prefill_cut}: 0 (analytic) or the GEMV path's largest "
+                              "token count, without prefill_from")
         if self.fused < 0:
             raise TuningError(f"tuning fused={self.fused}: 0 (off) or the largest bucket to fuse")
         if self.routed_nt not in (0, 1, 2, 3, 4):

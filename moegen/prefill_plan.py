@@ -207,6 +207,8 @@ def _crossover(c: Layer) -> tuple[int, int]:
         return 0, 0
     if c.tune.prefill_from:
         return c.tune.prefill_from, 0
+    if c.tune.prefill_cut:
+        return _cut_at(c.tune.prefill_cut + 1, 0, c.nmax)
     t = tiles(c)
     if t.a8:
         return math.ceil(A8_TOKENS_PER_EXPERT * c.e / c.k), 0
@@ -218,10 +220,18 @@ def _crossover(c: Layer) -> tuple[int, int]:
         while b // 2 + 1 < first:
             b *= 2
         return b, 0
+    return _cut_at(first, SNAP, c.nmax)
+
+
+def _cut_at(first: int, snap: int, nmax: int) -> tuple[int, int]:
+    """The power-of-two bucket that holds `first` (the first N of the prefill kernels) and the cut
+    below it (0: none, where first begins the bucket or, with snap, lies within 1/snap of it, or
+    the bucket lies past max_tokens: no prefill bucket)."""
+    b = 1
     while b < first:
         b *= 2
     low = b // 2 + 1  # the bucket's first token count
-    if first <= low + (b // 2) // SNAP or b > c.nmax:
+    if first <= low + ((b // 2) // snap if snap else 0) or b > nmax:
         return b, 0
     return b, first - 1
 

@@ -48,13 +48,32 @@ def _label(t: Tuning) -> str:
         for f in fields(Tuning) if f.name not in ("warps", "down_tiles") and (v := getattr(t, f.name)) != f.default)
 
 
+def _cuts(spec: Spec) -> list[int]:
+    """Cuts of the GEMV path (prefill_cut) around the analytic plan's first prefill bucket pf:
+    every eighth of that bucket and of the one below it, from pf / 4 (the prefill kernels a bucket
+    earlier) to pf (a bucket later)."""
+    q = make_plan(spec).prefill_from // 4
+    return sorted({q + q * j // 8 for j in range(9)} | {2 * q + q * j // 4 for j in range(9)}) if q >= 2 else []
+
+
+def _cut_variants(spec: Spec) -> tuple[Tuning, ...]:
+    return tuple(Tuning(prefill_cut=c) for c in _cuts(spec))
+
+
+def cut_tokens(spec: Spec) -> list[int]:
+    """The token counts that weigh the cuts (`--only prefill_cut` without --tokens): one between
+    each two neighbouring cuts, so that each cut is judged by the N on its two sides."""
+    cuts = _cuts(spec)
+    return [(a + b + 1) // 2 for a, b in zip(cuts, cuts[1:])] or [1, 8, 64]
+
+
 def _valid(spec: Spec, only: tuple[str, ...] = ()) -> list[tuple[Tuning, Plan]]:
     """The variants that the kernels can take; with `only`, the analytic plan and the variants
     that change one of those choices. A variant that launches what an earlier one does (the
     same kernels, grids and launch kinds: a choice this layer does not have) is left out."""
     default = Tuning()
     out, seen = [], set()
-    for v in VARIANTS:
+    for v in VARIANTS + _cut_variants(spec):
         if only and v != default and all(getattr(v, f) == getattr(default, f) for f in only):
             continue
         try:
@@ -78,7 +97,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     spec = load_spec(spec_path)
     variants = _valid(spec, only)
     default = Tuning()
-    tokens = tokens or [1, 8, 64]
+    tokens = tokens or (cut_tokens(spec) if only == ("prefill_cut",) else [1, 8, 64])
     device = Device()
     device.set_current()
     rng = np.random.default_rng()

@@ -874,6 +874,39 @@ def test_tune_can_vary_the_routed_experts_pass_width():
         make_plan(spec, tuning=Tuning(routed_nt=5))
 
 
+def test_a_tuning_cuts_the_gemv_path_at_any_token_count_and_tune_sweeps_the_cuts():
+    """Tuning prefill_cut: the GEMV path up to that N, the prefill kernels from the next one on,
+    with a bucket edge there where the power-of-two buckets have none; at a power of two it is a
+    whole bucket (prefill_from's choice); with prefill_from, or past max_tokens, it is refused or
+    has no prefill bucket. `moegen tune --only prefill_cut` sweeps every eighth of the analytic
+    first prefill bucket and of the one below it, weighed by a token count between each two cuts."""
+    from moegen.families import Tuning
+    from moegen.tune import _valid, cut_tokens
+
+    spec = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
+
+    def paths(plan: Plan) -> dict[int, bool]:  # bucket -> runs the prefill kernels
+        return {b.max_tokens: any(plan.kernel(ln.kernel).family.startswith("prefill") for ln in b.launches)
+                for b in plan.buckets}
+
+    cut = make_plan(spec, tuning=Tuning(prefill_cut=200))
+    p = paths(cut)
+    assert cut.prefill_from == 256 and 200 in p and not p[128] and not p[200] and p[256] and p[512]
+    whole = make_plan(spec, tuning=Tuning(prefill_cut=128))
+    assert whole.prefill_from == 256 and paths(whole) == paths(make_plan(spec, tuning=Tuning(prefill_from=256)))
+    assert [b.max_tokens for b in whole.buckets] == [b.max_tokens for b in make_plan(spec).buckets]
+    assert not make_plan(spec, tuning=Tuning(prefill_cut=spec.max_tokens)).prefill_from
+    with pytest.raises(ValueError, match="prefill_cut=200"):
+        make_plan(spec, tuning=Tuning(prefill_cut=200, prefill_from=256))
+    # the sweep: the analytic plan (from 257 on) and cuts from 128 to 512 (256 is the analytic one)
+    variants = _valid(spec, only=("prefill_cut",))
+    cuts = [t.prefill_cut for t, _ in variants]
+    assert cuts[0] == 0 and cuts[1:] == [*range(128, 256, 16), *range(288, 513, 32)]
+    tokens = cut_tokens(spec)
+    allcuts = sorted({*cuts[1:], 256})
+    assert len(tokens) == len(allcuts) - 1 and all(a < n <= b for a, b, n in zip(allcuts, allcuts[1:], tokens))
+
+
 def test_the_kernel_stamps_find_their_places_and_compile():
     """tests/gpu_trace.py (stamps of %globaltimer and clock64 inside the one-token kernel, run on a
     GPU) marks fixed places of the rendered source: each is still there once, for warp 0's route
