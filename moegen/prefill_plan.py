@@ -215,12 +215,12 @@ def _crossover(c: Layer) -> tuple[int, int]:
     shared = c.si / c.i  # (in routed experts' widths)
     per = FP4_TOKENS_PER_EXPERT if t.fp4 else FP8_TOKENS_PER_EXPERT if t.fp8 else TOKENS_PER_EXPERT
     first = math.ceil(per * (TILES.bm // t.bm) * (c.e + shared) / (c.k + shared))  # the first N past it
-    b = 1
-    if not (t.fp4 or t.fp8):
-        while b // 2 + 1 < first:
-            b *= 2
-        return b, 0
-    return _cut_at(first, SNAP, c.nmax)
+    if t.fp4 or t.fp8:
+        return _cut_at(first, SNAP, c.nmax)
+    b = 1  # BF16: the first bucket whose smallest N is past the crossover
+    while b // 2 + 1 < first:
+        b *= 2
+    return b, 0
 
 
 def _cut_at(first: int, snap: int, nmax: int) -> tuple[int, int]:
