@@ -16,6 +16,7 @@ import statistics
 import tempfile
 from dataclasses import asdict, fields
 from datetime import date
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def cut_tokens(spec: Spec) -> list[int]:
     """The token counts that weigh the cuts (`--only prefill_cut` without --tokens): one between
     each two neighbouring cuts, so that each cut is judged by the N on its two sides."""
     cuts = _cuts(spec)
-    return [(a + b + 1) // 2 for a, b in zip(cuts, cuts[1:])] or [1, 8, 64]
+    return [(a + b + 1) // 2 for a, b in pairwise(cuts)] or [1, 8, 64]
 
 
 def _valid(spec: Spec, only: tuple[str, ...] = ()) -> list[tuple[Tuning, Plan]]:
@@ -105,6 +106,19 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     weights = [_random_weights(variants[0][1], rng) for _ in range(count)]
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
     timer = _Timer(device)
+
+    def timed(plan: Plan) -> dict[int, float]:  # us per layer at each token count
+        gen = Path(tempfile.mkdtemp()) / spec.name
+        write_dir(gen, render_all(spec, plan))
+        stack = [load(gen, w, device=device) for w in weights]
+        us = {n: time_stack(timer, stack, xs[n]) for n in tokens}
+        for layer in stack:
+            layer.close()
+        return us
+
+    print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
+    if only == ("prefill_cut",):
+        return _tune_cut(spec, tokens, timed, out_root, write, device.name)
     table: dict[Tuning, dict[int, float]] = {}
     seen: set[tuple] = set()
     for tuning, plan in variants:
@@ -112,30 +126,61 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
         if launches in seen:  # the same kernels as a variant already timed (e.g. no bucket fused either way)
             continue
         seen.add(launches)
-        gen = Path(tempfile.mkdtemp()) / spec.name
-        write_dir(gen, render_all(spec, plan))
-        stack = [load(gen, w, device=device) for w in weights]
-        table[tuning] = {}
-        for n in tokens:
-            table[tuning][n] = time_stack(timer, stack, xs[n])
-        for layer in stack:
-            layer.close()
+        table[tuning] = timed(plan)
     base = table.get(default) or next(iter(table.values()))
 
     def score(t: Tuning) -> float:  # geometric mean of the time ratios to the analytic plan
         return math.exp(statistics.mean(math.log(table[t][n] / base[n]) for n in tokens))
 
     best = min(table, key=score)
-    print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
     print(f"{'variant':<24} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
     for t in table:
         mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
         print(f"{_label(t):<24} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens) + f"   {score(t):>6.3f}{mark}")
     if write:
-        p = tuning_path(out_root, spec.name)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        rec: dict[str, Any] = {**asdict(best), "gpu": device.name, "date": date.today().isoformat(),
-                               "us": {_label(t): table[t] for t in table}}
-        p.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"{p}: {_label(best)} (rebuild the spec to use it)")
+        _write(out_root, spec, best, device.name, {_label(t): table[t] for t in table})
+    return 0
+
+
+def _write(out_root: str, spec: Spec, best: Tuning, gpu: str, us: dict[str, Any]) -> None:
+    p = tuning_path(out_root, spec.name)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {**asdict(best), "gpu": gpu, "date": date.today().isoformat(), "us": us}
+    p.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"{p}: {_label(best)} (rebuild the spec to use it)")
+
+
+def pick_cut(cuts: list[int], gemv: dict[int, float], prefill: dict[int, float]) -> int:
+    """The cut whose path at each measured N (the GEMV path up to the cut, the prefill kernels past
+    it) takes the least time, as a geometric mean over the N; the largest such cut on a tie."""
+    def cost(c: int) -> float:
+        return sum(math.log(gemv[n] if n <= c else prefill[n]) for n in gemv)
+
+    return min(reversed(cuts), key=cost)
+
+
+def _tune_cut(spec: Spec, tokens: list[int], timed: Any, out_root: str, write: bool, gpu: str) -> int:
+    """`--only prefill_cut`: the two paths timed whole at every N (the GEMV path through the
+    largest cut, the prefill kernels from past the smallest), the cut placed where they cross
+    (pick_cut), then that cut's plan timed against the analytic plan's; the faster is kept."""
+    cuts = _cuts(spec)
+    if not cuts:
+        print(f"{spec.name}: no prefill bucket to cut (max_tokens {spec.max_tokens})")
+        return 0
+    gemv = timed(make_plan(spec, tuning=Tuning(prefill_cut=max(max(cuts), max(tokens)))))
+    prefill = timed(make_plan(spec, tuning=Tuning(prefill_cut=max(1, min(min(cuts), min(tokens) - 1)))))
+    cut = pick_cut(cuts, gemv, prefill)
+    chosen = Tuning(prefill_cut=cut)
+    table = {chosen: timed(make_plan(spec, tuning=chosen)), Tuning(): timed(make_plan(spec))}
+    print(f"{'N':>6} {'GEMV':>9} {'prefill':>9}  ratio  {_label(chosen):>16} {'analytic':>9}")
+    for n in tokens:
+        print(f"{n:>6} {gemv[n]:>9.1f} {prefill[n]:>9.1f}  {prefill[n] / gemv[n]:5.3f}  "
+              f"{table[chosen][n]:>16.1f} {table[Tuning()][n]:>9.1f}")
+    geo = {t: math.exp(statistics.mean(math.log(us[n]) for n in tokens)) for t, us in table.items()}
+    best = min(table, key=lambda t: geo[t])
+    print(f"crossover cut {cut}: {geo[chosen]:.1f} us geometric mean against the analytic plan's "
+          f"{geo[Tuning()]:.1f}; {'kept' if best == chosen else 'the analytic plan kept'}")
+    if write:
+        _write(out_root, spec, best, gpu, {"GEMV": gemv, "prefill": prefill,
+                                           **{_label(t): table[t] for t in table}})
     return 0

@@ -907,6 +907,27 @@ def test_a_tuning_cuts_the_gemv_path_at_any_token_count_and_tune_sweeps_the_cuts
     assert len(tokens) == len(allcuts) - 1 and all(a < n <= b for a, b, n in zip(allcuts, allcuts[1:], tokens))
 
 
+def test_tune_places_the_cut_where_the_two_paths_cross():
+    """`moegen tune --only prefill_cut` times the GEMV path and the prefill kernels at each N, then
+    cuts where the curves cross: the GEMV path where it is faster, the prefill kernels past it. A
+    GEMV path faster everywhere keeps the largest cut, the prefill kernels faster everywhere the
+    smallest; a tie keeps the larger cut."""
+    import random
+
+    from moegen.tune import pick_cut
+
+    cuts = [128, 160, 192, 224, 256]
+    tokens = [144, 176, 208, 240]
+    for cross in (150, 190, 230):
+        gemv = {n: 100.0 + n for n in tokens}  # rises with N; the prefill kernels' time is flat
+        prefill = {n: 100.0 + cross + random.uniform(-1, 1) for n in tokens}
+        first = min(n for n in tokens if n > cross)  # the first N where the prefill kernels are faster
+        assert pick_cut(cuts, gemv, prefill) == max(c for c in cuts if c < first)
+    assert pick_cut(cuts, {n: 1.0 for n in tokens}, {n: 2.0 for n in tokens}) == 256
+    assert pick_cut(cuts, {n: 2.0 for n in tokens}, {n: 1.0 for n in tokens}) == 128
+    assert pick_cut(cuts, {n: 1.0 for n in tokens}, {n: 1.0 for n in tokens}) == 256
+
+
 def test_the_kernel_stamps_find_their_places_and_compile():
     """tests/gpu_trace.py (stamps of %globaltimer and clock64 inside the one-token kernel, run on a
     GPU) marks fixed places of the rendered source: each is still there once, for warp 0's route
