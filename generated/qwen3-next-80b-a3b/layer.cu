@@ -4,7 +4,7 @@
 // E=512 routed experts, top-10, H=2048, I=512, shared expert I=512 (sigmoid gate).
 // Routing: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 6291456 bytes.
-// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 1024 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -4081,10 +4081,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 512
+// route: softmax over 512 experts (fp32 logits) -> top-10 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 256
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e512_k10_softmax_scores_renorm_sgate_fp32_n16384_g512_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<512, 528, 10, 1, 16384, true, 256, 512>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e512_k10_softmax_scores_renorm_sgate_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<512, 528, 10, 1, 16384, true, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // one token in one launch: router (33 tiles x 4 parts), route in every block, gate/up (10 x 32 + 32 tiles), down by columns streamed behind them, partial sums a block; tagged words
@@ -4106,7 +4106,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt1_
 }
 #endif
 // gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt1_bf16_si512_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 1, 4, 4, 4, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -4124,7 +4124,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r528_h2048_ks4_nt4_
 }
 #endif
 // gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt1_bf16_si512_nts2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 2, 4, 4, 4, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -4136,7 +4136,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt1_bf16_si512_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 1, 4, 4, 4, 3, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -4148,7 +4148,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_n
 }
 #endif
 // gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt2_bf16_si512_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<64, 2, 4, 4, 4, 3, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -4157,18 +4157,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt2_bf16_si512_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<16, 16, 2, 4, 4, 4, 3, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
-}
-#endif
-// gate/up + silu_gated: expert slots x 32 tiles + shared 32 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e512_h2048_i512_nt3_bf16_si512_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<64, 3, 4, 4, 3, 3, 32, 32, 512, 512, MOE_W_BF16, MOE_W_BF16, 512>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
-}
-#endif
-// down: expert slots x 128 tiles of 512 + shared (512); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_down_e512_h2048_i512_k10_nt3_bf16_si512_nts4_bf16_sgate_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<16, 16, 3, 4, 4, 3, 3, 2, 64, 2048, 10, true, MOE_W_BF16, MOE_W_BF16, 512, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // router: 528 rows x 2048, K split 1 ways, 32 tokens per pass, 3 row tiles a block
@@ -4184,19 +4172,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h2048_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e512_k10_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 10, 512, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e512_k10_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   prefill_scan_body(counts, (n * 10 + 1023) / 1024, 512, 128, 1792, first, tiles, n, stiles, 128);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e512_k10_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
   prefill_place_body(ids, n * 10, 512, 10, counts, first, tok, slot);
 }
