@@ -103,22 +103,37 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     device.set_current()
     rng = np.random.default_rng()
     count = max(1, min(layers, _layer_count(variants[0][1], 2 * layers, device) // 2))  # raw and packed weights held
-    weights = [_random_weights(variants[0][1], rng) for _ in range(count)]
+    # One set of random weights, packed once: each variant's layers take device copies of the
+    # packed weights (as `moegen bench` stacks its layers), unless a variant packs them otherwise.
+    weights = _random_weights(variants[0][1], rng)
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
     timer = _Timer(device)
+    source: list[Any] = []  # the first layer loaded from `weights`, kept for its packed weights
 
     def timed(plan: Plan) -> dict[int, float]:  # us per layer at each token count
         gen = Path(tempfile.mkdtemp()) / spec.name
         write_dir(gen, render_all(spec, plan))
-        stack = [load(gen, w, device=device) for w in weights]
+        stack = []
+        for _ in range(count):
+            layer = load(gen, device=device)
+            try:
+                layer.load_weights_from(stack[0] if stack else source[0])
+            except (IndexError, ValueError):  # nothing packed yet, or another packed layout
+                layer.load_weights(weights)
+            stack.append(layer)
         us = {n: time_stack(timer, stack, xs[n]) for n in tokens}
+        if not source:
+            source.append(stack.pop(0))
         for layer in stack:
             layer.close()
         return us
 
     print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
     if only == ("prefill_cut",):
-        return _tune_cut(spec, tokens, timed, out_root, write, device.name)
+        rc = _tune_cut(spec, tokens, timed, out_root, write, device.name)
+        for layer in source:
+            layer.close()
+        return rc
     table: dict[Tuning, dict[int, float]] = {}
     seen: set[tuple] = set()
     for tuning, plan in variants:
@@ -127,6 +142,8 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
             continue
         seen.add(launches)
         table[tuning] = timed(plan)
+    for layer in source:
+        layer.close()
     base = table.get(default) or next(iter(table.values()))
 
     def score(t: Tuning) -> float:  # geometric mean of the time ratios to the analytic plan

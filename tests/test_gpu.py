@@ -244,7 +244,8 @@ def test_matches_reference(case: Case):
     """All token counts of the GPU tier, one reference pass over all of them."""
     import torch
 
-    counts = sorted({1, 2, 3, 7, 16, 64, min(129, case.plan.max_tokens), *_prefill_ends(case.plan)}
+    ends = _prefill_ends(case.plan)  # the first prefill bucket's ends, and the N just below (a GEMV bucket's top)
+    counts = sorted({1, 2, 3, 7, 16, 64, min(129, case.plan.max_tokens), *ends, *(ends[:1] and [ends[0] - 1])} - {0}
                     | ({case.plan.max_tokens} if case.plan.max_tokens <= 1024 else set()))
     xs, outs, ids, ws, tids, acts = [], [], [], [], [], []
     for n in counts:
