@@ -168,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(fn=_cmd_bench)
     t = sub.add_parser("tune", help="time variants of the plan's block shapes on this GPU; --write keeps the best")
     t.add_argument("spec")
-    t.add_argument("--tokens", default=None, help="comma-separated token counts to weigh (default 1,8,64)")
+    t.add_argument("--tokens", default=None, help="comma-separated token counts to weigh (default 1,8,64; --only prefill_cut: N between the cuts)")
     t.add_argument("--out", default="generated",
                    help="generated root: --write puts <out>/<name>.tuning.json there, which later builds use")
     t.add_argument("--write", action="store_true", help="keep the fastest variant for later builds")
     t.add_argument("--only", default=None,
-                   help="comma-separated choices (e.g. fused,router_split): time the analytic plan and the variants that change them")
+                   help="comma-separated choices (e.g. fused,router_split): time the variants that change them, over the "
+                        "choices of <out>/<name>.tuning.json where it exists (else the analytic plan's), against that plan")
     t.set_defaults(fn=_cmd_tune)
     _add_spec_commands(sub)
     args = p.parse_args(argv)

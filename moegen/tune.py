@@ -14,7 +14,7 @@ import json
 import math
 import statistics
 import tempfile
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from datetime import date
 from itertools import pairwise
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .build import render_all, tuning_path, write_dir
+from .build import read_tuning, render_all, tuning_path, write_dir
 from .families import Tuning
 from .plan import Plan, PlanError, make_plan
 from .spec import Spec, load_spec
@@ -68,15 +68,36 @@ def cut_tokens(spec: Spec) -> list[int]:
     return [(a + b + 1) // 2 for a, b in pairwise(cuts)] or [1, 8, 64]
 
 
-def _valid(spec: Spec, only: tuple[str, ...] = ()) -> list[tuple[Tuning, Plan]]:
-    """The variants that the kernels can take; with `only`, the analytic plan and the variants
-    that change one of those choices. A variant that launches what an earlier one does (the
-    same kernels, grids and launch kinds: a choice this layer does not have) is left out."""
+def on(base: Tuning, variant: Tuning, only: tuple[str, ...] = ()) -> Tuning:
+    """The variant's choices over a kept tuning's: those it changes from the analytic plan, and
+    its values of the choices in `only` (the ones being tuned) whatever they are."""
     default = Tuning()
+    changed = {f.name: getattr(variant, f.name) for f in fields(Tuning)
+               if f.name in only or getattr(variant, f.name) != getattr(default, f.name)}
+    if "prefill_cut" in changed:  # (a cut and a whole first bucket are refused together)
+        changed.setdefault("prefill_from", 0)
+    if "prefill_from" in changed:
+        changed.setdefault("prefill_cut", 0)
+    return replace(base, **changed)
+
+
+def _valid(spec: Spec, only: tuple[str, ...] = (), base: Tuning | None = None) -> list[tuple[Tuning, Plan]]:
+    """The variants that the kernels can take; with `only`, the base (a kept tuning, else the
+    analytic plan) and the variants that change one of those choices, each over the base's other
+    choices. A variant that launches what an earlier one does (the same kernels, grids and launch
+    kinds: a choice this layer does not have) is left out."""
+    default = Tuning()
+    base = base or default
     out, seen = [], set()
+    candidates: list[Tuning] = []
     for v in VARIANTS + _cut_variants(spec):
-        if only and v != default and all(getattr(v, f) == getattr(default, f) for f in only):
-            continue
+        if not only:
+            candidates.append(v)
+        elif v == default:  # the base, and the analytic values of the tuned choices over its others
+            candidates += [base, on(base, v, only)]
+        elif any(getattr(v, f) != getattr(default, f) for f in only):
+            candidates.append(on(base, v, only))
+    for v in candidates:
         try:
             plan = make_plan(spec, tuning=v)
         except PlanError:
@@ -96,8 +117,12 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     from .runtime import load
 
     spec = load_spec(spec_path)
-    variants = _valid(spec, only)
-    default = Tuning()
+    # With --only, the other choices stay as a kept tuning file has them (else analytic), and the
+    # variants and the reference are that tuning with those choices changed.
+    kept = read_tuning(out_root, spec.name) if only else None
+    ref = kept or Tuning()
+    name = "kept" if kept else "analytic"
+    variants = _valid(spec, only, ref)
     tokens = tokens or (cut_tokens(spec) if only == ("prefill_cut",) else [1, 8, 64])
     device = Device()
     device.set_current()
@@ -130,7 +155,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
 
     print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
     if only == ("prefill_cut",):
-        rc = _tune_cut(spec, tokens, timed, out_root, write, device.name)
+        rc = _tune_cut(spec, tokens, timed, out_root, write, device.name, ref, name)
         for layer in source:
             layer.close()
         return rc
@@ -144,15 +169,15 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
         table[tuning] = timed(plan)
     for layer in source:
         layer.close()
-    base = table.get(default) or next(iter(table.values()))
+    base = table.get(ref) or next(iter(table.values()))
 
-    def score(t: Tuning) -> float:  # geometric mean of the time ratios to the analytic plan
+    def score(t: Tuning) -> float:  # geometric mean of the time ratios to the reference plan
         return math.exp(statistics.mean(math.log(table[t][n] / base[n]) for n in tokens))
 
     best = min(table, key=score)
-    print(f"{'variant':<24} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + "   vs analytic")
+    print(f"{'variant':<24} " + " ".join(f"{'N=' + str(n):>9}" for n in tokens) + f"   vs {name}")
     for t in table:
-        mark = "  <- best" if t == best else ("  (analytic)" if t == default else "")
+        mark = "  <- best" if t == best else (f"  ({name})" if t == ref else "")
         print(f"{_label(t):<24} " + " ".join(f"{table[t][n]:>9.1f}" for n in tokens) + f"   {score(t):>6.3f}{mark}")
     if write:
         _write(out_root, spec, best, device.name, {_label(t): table[t] for t in table})
@@ -176,27 +201,33 @@ def pick_cut(cuts: list[int], gemv: dict[int, float], prefill: dict[int, float])
     return min(reversed(cuts), key=cost)
 
 
-def _tune_cut(spec: Spec, tokens: list[int], timed: Any, out_root: str, write: bool, gpu: str) -> int:
+def _tune_cut(spec: Spec, tokens: list[int], timed: Any, out_root: str, write: bool, gpu: str,
+              ref: Tuning, name: str) -> int:
     """`--only prefill_cut`: the two paths timed whole at every N (the GEMV path through the
     largest cut, the prefill kernels from past the smallest), the cut placed where they cross
-    (pick_cut), then that cut's plan timed against the analytic plan's; the faster is kept."""
+    (pick_cut), then that cut's plan timed against the reference plan's (`name`: a kept tuning,
+    else the analytic plan); the faster is kept."""
     cuts = _cuts(spec)
     if not cuts:
         print(f"{spec.name}: no prefill bucket to cut (max_tokens {spec.max_tokens})")
         return 0
-    gemv = timed(make_plan(spec, tuning=Tuning(prefill_cut=max(max(cuts), max(tokens)))))
-    prefill = timed(make_plan(spec, tuning=Tuning(prefill_cut=max(1, min(min(cuts), min(tokens) - 1)))))
+
+    def cut_at(c: int) -> Tuning:
+        return on(ref, Tuning(prefill_cut=c))
+
+    gemv = timed(make_plan(spec, tuning=cut_at(max(max(cuts), max(tokens)))))
+    prefill = timed(make_plan(spec, tuning=cut_at(max(1, min(min(cuts), min(tokens) - 1)))))
     cut = pick_cut(cuts, gemv, prefill)
-    chosen = Tuning(prefill_cut=cut)
-    table = {chosen: timed(make_plan(spec, tuning=chosen)), Tuning(): timed(make_plan(spec))}
-    print(f"{'N':>6} {'GEMV':>9} {'prefill':>9}  ratio  {_label(chosen):>16} {'analytic':>9}")
+    chosen = cut_at(cut)
+    table = {chosen: timed(make_plan(spec, tuning=chosen)), ref: timed(make_plan(spec, tuning=ref))}
+    print(f"{'N':>6} {'GEMV':>9} {'prefill':>9}  ratio  {'cut ' + str(cut):>9} {name:>9}")
     for n in tokens:
         print(f"{n:>6} {gemv[n]:>9.1f} {prefill[n]:>9.1f}  {prefill[n] / gemv[n]:5.3f}  "
-              f"{table[chosen][n]:>16.1f} {table[Tuning()][n]:>9.1f}")
+              f"{table[chosen][n]:>9.1f} {table[ref][n]:>9.1f}")
     geo = {t: math.exp(statistics.mean(math.log(us[n]) for n in tokens)) for t, us in table.items()}
     best = min(table, key=lambda t: geo[t])
-    print(f"crossover cut {cut}: {geo[chosen]:.1f} us geometric mean against the analytic plan's "
-          f"{geo[Tuning()]:.1f}; {'kept' if best == chosen else 'the analytic plan kept'}")
+    print(f"crossover cut {cut}: {geo[chosen]:.1f} us geometric mean against the {name} plan's "
+          f"{geo[ref]:.1f}; {'the cut' if best == chosen else 'the ' + name + ' plan'} kept")
     if write:
         _write(out_root, spec, best, gpu, {"GEMV": gemv, "prefill": prefill,
                                            **{_label(t): table[t] for t in table}})

@@ -907,6 +907,26 @@ def test_a_tuning_cuts_the_gemv_path_at_any_token_count_and_tune_sweeps_the_cuts
     assert len(tokens) == len(allcuts) - 1 and all(a < n <= b for a, b, n in zip(allcuts, allcuts[1:], tokens))
 
 
+def test_tune_with_only_keeps_the_other_tuned_choices():
+    """`moegen tune --only X` over a kept tuning file varies X on top of the file's other choices, so
+    that --write does not drop them: the variants are the kept tuning with X changed (X's analytic
+    value among them), and the reference is the kept tuning itself. A cut and a whole first
+    prefill bucket are refused together, so setting either clears the other."""
+    from moegen.families import Tuning
+    from moegen.tune import _valid, on
+
+    spec = load_spec(ROOT / "specs" / "qwen3-30b-a3b.yaml")
+    kept = Tuning(warps=8, prefill_cut=192)
+    cuts = _valid(spec, only=("prefill_cut",), base=kept)
+    assert cuts[0][0] == kept and all(t.warps == 8 and not t.prefill_from for t, _ in cuts)
+    assert {t.prefill_cut for t, _ in cuts} >= {0, 128, 192, 512} and len(cuts) > 10
+    warps = [t for t, _ in _valid(spec, only=("warps",), base=kept)]
+    assert kept in warps and Tuning(warps=4, prefill_cut=192) in warps
+    assert all(t.prefill_cut == 192 for t in warps)
+    assert on(kept, Tuning(prefill_from=512)) == Tuning(warps=8, prefill_from=512)
+    assert on(Tuning(prefill_from=512), Tuning(prefill_cut=300)) == Tuning(prefill_cut=300)
+
+
 def test_tune_places_the_cut_where_the_two_paths_cross():
     """`moegen tune --only prefill_cut` times the GEMV path and the prefill kernels at each N, then
     cuts where the curves cross: the GEMV path where it is faster, the prefill kernels past it. A
