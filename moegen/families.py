@@ -722,7 +722,7 @@ def single_layout(c: Layer, target: Target, ntok: int = 1) -> tuple[int, int] | 
     cpu = kc // SINGLE_WARPS
     if kc % SINGLE_WARPS or cpu % _inflight(cpu):
         return None
-    units, ur = _single_units(c, target)
+    _, ur = _single_units(c, target)
     dslots = c.k + (1 if c.si else 0)
     pieces = c.k * (c.i // 32) + c.si // 32
     cols = single_cols(c, target)

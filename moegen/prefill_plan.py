@@ -158,8 +158,8 @@ def unsupported(c: Layer) -> str:
          "FP8 per-tensor experts without the producer warpgroup, or with a shared expert, biases or the weights on the input"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
-         f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
-         "prefill_bulk_a, prefill_down_pair, down_tiles=2)"),
+         (f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
+          "prefill_bulk_a, prefill_down_pair, down_tiles=2)")),
         # (a single consumer warpgroup's FP4 down pairs spill: 16 bytes of stack at 240 registers)
         (c.fmt_e in FP4_FORMATS and tiles(c).bm < TILES.bm, f"{c.fmt_e} weights with one consumer warpgroup"),
         (not (act.kind.value == "silu_gated" and not act.alpha or act.kind.value == "swiglu_clamped"),
