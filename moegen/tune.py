@@ -154,21 +154,20 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
         return us
 
     print(f"{spec.name} on {device.name}, {date.today().isoformat()}: us per layer, {count} layers per replay")
-    if only == ("prefill_cut",):
-        rc = _tune_cut(spec, tokens, timed, out_root, write, device.name, ref, name)
-        for layer in source:
-            layer.close()
-        return rc
     table: dict[Tuning, dict[int, float]] = {}
     seen: set[tuple] = set()
-    for tuning, plan in variants:
-        launches = tuple(b.launches for b in plan.buckets)
-        if launches in seen:  # the same kernels as a variant already timed (e.g. no bucket fused either way)
-            continue
-        seen.add(launches)
-        table[tuning] = timed(plan)
-    for layer in source:
-        layer.close()
+    try:
+        if only == ("prefill_cut",):
+            return _tune_cut(spec, tokens, timed, out_root, write, device.name, ref, name)
+        for tuning, plan in variants:
+            launches = tuple(b.launches for b in plan.buckets)
+            if launches in seen:  # the same kernels as a variant already timed (e.g. no bucket fused either way)
+                continue
+            seen.add(launches)
+            table[tuning] = timed(plan)
+    finally:
+        for layer in source:
+            layer.close()
     base = table.get(ref) or next(iter(table.values()))
 
     def score(t: Tuning) -> float:  # geometric mean of the time ratios to the reference plan
