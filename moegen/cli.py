@@ -50,14 +50,26 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 class BenchError(RuntimeError):
-    """moegen bench cannot run here (no GPU, or not enough of them for --ep-size)."""
+    """moegen bench cannot run here (no GPU, or not enough of them for --ep-size), or was asked wrongly."""
+
+
+def _tokens(cmd: str, text: str | None) -> list[int] | None:
+    """--tokens as positive token counts (None: the command's default), or an error naming the bad one."""
+    if not text:
+        return None
+    out = []
+    for item in text.split(","):
+        if not item.strip().isdigit() or int(item) < 1:
+            raise BenchError(f"{cmd} --tokens {text}: {item!r} is not a token count (comma-separated integers >= 1)")
+        out.append(int(item))
+    return out
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     from .check import gpu_unavailable_reason
 
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    tokens = _tokens("bench", args.tokens)
     reason = gpu_unavailable_reason()
     if reason:
         raise BenchError(f"bench times the layer on a GPU: {reason}")
@@ -76,14 +88,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .families import Tuning
     from .tune import run_tune
 
-    reason = gpu_unavailable_reason()
-    if reason:
-        raise BenchError(f"tune times the layer's variants on a GPU: {reason}")
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    # the arguments first, so that a wrong one is named wherever the command runs
+    tokens = _tokens("tune", args.tokens)
     only = tuple(f for f in args.only.split(",") if f) if args.only else ()
     known = {f.name for f in fields(Tuning)}
     if set(only) - known:
         raise BenchError(f"tune --only {args.only}: choices are {', '.join(sorted(known))}")
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise BenchError(f"tune times the layer's variants on a GPU: {reason}")
     return run_tune(args.spec, tokens=tokens, out_root=args.out, write=args.write, only=only)
 
 

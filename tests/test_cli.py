@@ -295,3 +295,19 @@ def test_gpu_commands_without_a_gpu_are_one_line(cmd, extra, why, monkeypatch: p
     assert not any(tmp_path.iterdir()), "nothing is written"
     err = capsys.readouterr().err
     assert err == f"moegen: error: {why}\n"
+
+
+@pytest.mark.parametrize("cmd, extra, why", [
+    ("bench", ["--tokens", "1,x"], "bench --tokens 1,x: 'x' is not a token count (comma-separated integers >= 1)"),
+    ("tune", ["--tokens", "8,0"], "tune --tokens 8,0: '0' is not a token count (comma-separated integers >= 1)"),
+    ("tune", ["--only", "warps,bogus"], "tune --only warps,bogus: choices are "),
+])
+def test_gpu_commands_name_a_wrong_argument_before_looking_for_a_gpu(cmd, extra, why, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    """A wrong --tokens or --only is named as such (one line, nothing written), GPU or not: the
+    arguments are checked before the device."""
+    monkeypatch.setattr("moegen.check.gpu_unavailable_reason", lambda: "no GPU in this test")
+    assert main([cmd, str(ROOT / "specs" / "qwen3-30b-a3b.yaml"), *extra, "--out", str(tmp_path)]) == 1
+    assert not any(tmp_path.iterdir()), "nothing is written"
+    err = capsys.readouterr().err
+    assert err.startswith(f"moegen: error: {why}") and err.count("\n") == 1, err
