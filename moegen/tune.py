@@ -200,6 +200,23 @@ def pick_cut(cuts: list[int], gemv: dict[int, float], prefill: dict[int, float])
     return min(reversed(cuts), key=cost)
 
 
+def gemv_top(plan: Plan) -> int:
+    """The GEMV path's largest N in a plan (its cut; the largest bucket where no bucket runs the prefill kernels)."""
+    return max(b.max_tokens for b in plan.buckets if not plan.prefill_from or b.max_tokens < plan.prefill_from)
+
+
+def cut_gain(cut: int, ref_cut: int, cut_us: dict[int, float], ref_us: dict[int, float]) -> tuple[float, float]:
+    """What a cut gains over the reference plan's (ref_cut), and the measurement's noise, as mean and
+    largest log ratios of times: the gain over the N between the two cuts (the only N where the
+    plans launch other kernels: negative where the cut is faster; 0 where there are none), the
+    noise over the other N, where both plans run the same kernels (0 where there are none)."""
+    lo, hi = min(cut, ref_cut), max(cut, ref_cut)
+    ratio = {n: math.log(cut_us[n] / ref_us[n]) for n in cut_us}
+    inside = [r for n, r in ratio.items() if lo < n <= hi]
+    return (statistics.mean(inside) if inside else 0.0,
+            max((abs(r) for n, r in ratio.items() if not lo < n <= hi), default=0.0))
+
+
 def _tune_cut(spec: Spec, tokens: list[int], timed: Any, out_root: str, write: bool, gpu: str,
               ref: Tuning, name: str) -> int:
     """`--only prefill_cut`: the two paths timed whole at every N (the GEMV path through the
@@ -217,16 +234,21 @@ def _tune_cut(spec: Spec, tokens: list[int], timed: Any, out_root: str, write: b
     gemv = timed(make_plan(spec, tuning=cut_at(max(max(cuts), max(tokens)))))
     prefill = timed(make_plan(spec, tuning=cut_at(max(1, min(min(cuts), min(tokens) - 1)))))
     cut = pick_cut(cuts, gemv, prefill)
-    chosen = cut_at(cut)
-    table = {chosen: timed(make_plan(spec, tuning=chosen)), ref: timed(make_plan(spec, tuning=ref))}
+    chosen, ref_plan = cut_at(cut), make_plan(spec, tuning=ref)
+    table = {chosen: timed(make_plan(spec, tuning=chosen)), ref: timed(ref_plan)}
     print(f"{'N':>6} {'GEMV':>9} {'prefill':>9}  ratio  {'cut ' + str(cut):>9} {name:>9}")
     for n in tokens:
         print(f"{n:>6} {gemv[n]:>9.1f} {prefill[n]:>9.1f}  {prefill[n] / gemv[n]:5.3f}  "
               f"{table[chosen][n]:>9.1f} {table[ref][n]:>9.1f}")
     geo = {t: math.exp(statistics.mean(math.log(us[n]) for n in tokens)) for t, us in table.items()}
-    best = min(table, key=lambda t: geo[t])
+    # The cut is kept where, at the N between it and the reference plan's cut, it is faster by more
+    # than the two plans differ where they run the same kernels (the rounds' spread)
+    gain, noise = cut_gain(cut, gemv_top(ref_plan), table[chosen], table[ref])
+    best = chosen if gain < -noise else ref
     print(f"crossover cut {cut}: {geo[chosen]:.1f} us geometric mean against the {name} plan's "
-          f"{geo[ref]:.1f}; {'the cut' if best == chosen else 'the ' + name + ' plan'} kept")
+          f"{geo[ref]:.1f} (its cut {gemv_top(ref_plan)}); between the cuts {100 * (math.exp(gain) - 1):+.1f}%, "
+          f"elsewhere within {100 * (math.exp(noise) - 1):.1f}%; "
+          f"{'the cut' if best == chosen else 'the ' + name + ' plan'} kept")
     if write:
         _write(out_root, spec, best, gpu, {"GEMV": gemv, "prefill": prefill,
                                            **{_label(t): table[t] for t in table}})

@@ -948,6 +948,30 @@ def test_tune_places_the_cut_where_the_two_paths_cross():
     assert pick_cut(cuts, {n: 1.0 for n in tokens}, {n: 1.0 for n in tokens}) == 256
 
 
+def test_tune_keeps_a_cut_only_where_it_gains_more_than_the_spread():
+    """The cut's gain is judged at the N between it and the reference plan's cut (where the two
+    plans launch other kernels), against the two plans' differences at the other N (the same
+    kernels: the rounds' spread); the GEMV path's largest N of a plan is its cut."""
+    import math
+
+    from moegen.tune import cut_gain, gemv_top
+
+    tokens = [40, 56, 60, 70, 100]
+    ref = {n: 100.0 for n in tokens}
+    cut = {40: 100.2, 56: 97.0, 60: 98.0, 70: 99.9, 100: 100.1}  # faster at 56 and 60 only
+    gain, noise = cut_gain(52, 64, cut, ref)
+    assert math.isclose(gain, (math.log(0.97) + math.log(0.98)) / 2) and math.isclose(noise, math.log(1.002))
+    assert gain < -noise
+    assert cut_gain(64, 52, cut, ref) == (gain, noise)  # either cut the lower one
+    same = cut_gain(64, 64, cut, ref)
+    assert same[0] == 0.0 and math.isclose(same[1], -math.log(0.97))  # no N between: no gain
+    spread = {**cut, 40: 104.0}  # the same kernels 4% apart: a 2.5% gain is within it
+    gain, noise = cut_gain(52, 64, spread, ref)
+    assert not gain < -noise
+    for name, top in (("mixtral-8x7b", 64), ("qwen3-30b-a3b", 256)):  # the analytic plans' cuts
+        assert gemv_top(make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))) == top
+
+
 def test_the_kernel_stamps_find_their_places_and_compile():
     """tests/gpu_trace.py (stamps of %globaltimer and clock64 inside the one-token kernel, run on a
     GPU) marks fixed places of the rendered source: each is still there once, for warp 0's route
