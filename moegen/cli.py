@@ -59,7 +59,7 @@ def _tokens(cmd: str, text: str | None) -> list[int] | None:
         return None
     out = []
     for item in text.split(","):
-        if not item.strip().isdigit() or int(item) < 1:
+        if not item.strip().isdecimal() or int(item) < 1:
             raise BenchError(f"{cmd} --tokens {text}: {item!r} is not a token count (comma-separated integers >= 1)")
         out.append(int(item))
     return out
