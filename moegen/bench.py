@@ -197,6 +197,10 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
         else:
             w = rng.standard_normal(shape, np.float32) / math.sqrt(shape[-1])
             out[name] = w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else ml_dtypes.float8_e4m3fn)
+    if torch is not None and torch.cuda.is_initialized():
+        # PyTorch's allocator keeps the fp32 temporaries' blocks (21 GB for one of Llama-4-Maverick's
+        # expert tensors): given back, so that the layers' own allocations find the memory
+        torch.cuda.empty_cache()
     return out
 
 

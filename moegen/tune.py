@@ -109,6 +109,17 @@ def _valid(spec: Spec, only: tuple[str, ...] = (), base: Tuning | None = None) -
     return out
 
 
+def _release_torch_cache() -> None:
+    """Hand PyTorch's cached device blocks back to the driver (the raw random weights' once freed),
+    where PyTorch made them."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "generated", write: bool = False,
              layers: int = 4, only: tuple[str, ...] = ()) -> int:
     from cuda.core import Device
@@ -149,6 +160,9 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
         us = {n: time_stack(timer, stack, xs[n]) for n in tokens}
         if not source:
             source.append(stack.pop(0))
+            if only == ("prefill_cut",):  # every variant packs the weights alike: the raw ones are not read again
+                weights.clear()
+                _release_torch_cache()
         for layer in stack:
             layer.close()
         return us
