@@ -197,11 +197,20 @@ def _random_weights(plan: Plan, rng: np.random.Generator) -> dict[str, Any]:
         else:
             w = rng.standard_normal(shape, np.float32) / math.sqrt(shape[-1])
             out[name] = w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else ml_dtypes.float8_e4m3fn)
-    if torch is not None and torch.cuda.is_initialized():
-        # PyTorch's allocator keeps the fp32 temporaries' blocks (21 GB for one of Llama-4-Maverick's
-        # expert tensors): given back, so that the layers' own allocations find the memory
-        torch.cuda.empty_cache()
+    # PyTorch's allocator keeps the fp32 temporaries' blocks (21 GB for one of Llama-4-Maverick's
+    # expert tensors): given back, so that the layers' own allocations find the memory
+    release_torch_cache()
     return out
+
+
+def release_torch_cache() -> None:
+    """Hand PyTorch's cached device blocks back to the driver, where PyTorch has made any."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _random_x(plan: Plan, n: int, rng: np.random.Generator) -> Any:

@@ -109,22 +109,11 @@ def _valid(spec: Spec, only: tuple[str, ...] = (), base: Tuning | None = None) -
     return out
 
 
-def _release_torch_cache() -> None:
-    """Hand PyTorch's cached device blocks back to the driver (the raw random weights' once freed),
-    where PyTorch made them."""
-    try:
-        import torch
-    except ImportError:
-        return
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "generated", write: bool = False,
              layers: int = 4, only: tuple[str, ...] = ()) -> int:
     from cuda.core import Device
 
-    from .bench import _layer_count, _random_weights, _random_x, _Timer, time_stack
+    from .bench import _layer_count, _random_weights, _random_x, _Timer, release_torch_cache, time_stack
     from .runtime import load
 
     spec = load_spec(spec_path)
@@ -162,7 +151,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
             source.append(stack.pop(0))
             if only == ("prefill_cut",):  # every variant packs the weights alike: the raw ones are not read again
                 weights.clear()
-                _release_torch_cache()
+                release_torch_cache()
         for layer in stack:
             layer.close()
         return us
