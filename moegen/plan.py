@@ -126,6 +126,9 @@ class PackedWeight:
     # MXFP4 [E][tile][K/32 chunk][MATS][16 rows] E8M0 bytes; NVFP4 per tile [K/32 chunk][MATS][2][16 rows]
     # e4m3 bytes then the MATS fp32 scale_2 (16 bytes)
     scale_name: str = ""
+    # FP8 block codes with FP8 activations: wgmma's core-matrix layout (moegen.weights.pack_fp8_core),
+    # which the prefill GEMMs read by descriptor and the GEMV kernels through ldmatrix
+    core: bool = False
 
 
 @dataclass(frozen=True)
@@ -381,6 +384,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         kernels=_deal(tuple(kernels.values())), buckets=buckets, workspace=_workspace(c, target, nf, pf > 0, gemv_max), prefill_from=pf,
         prefill_tiles=astuple(P.tiles(c)) if pf else (),
         weights=_weights(c), asserts=_asserts(c), route_rule=F.route_rule(c), act_rule=F.act_rule(c),
+        tensor_maps=P.a8_tensor_maps(c) if pf else (),
         norm_rule=F.norm_rule(c), raw=_raw(c),
         **({"kernel_order": (f"up to {nf} tokens: router + route", "expert (gate/up + down per K chunk)",
                              "combine; more tokens: router (+ route)", "route", "gate_up", "down + combine")}
@@ -391,6 +395,9 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
                                             "scan", "place", "gate/up GEMM", "down GEMM", "combine") if pf else ()))}),
     )
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
+        # (the one-token kernel reads its maps at 0 and 1: it takes no FP8 activations, whose prefill
+        # GEMMs have theirs there, prefill_plan.a8_tensor_maps)
+        assert not plan.tensor_maps, "the one-token kernel beside the FP8-activation GEMMs' tensor maps"
         plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
                                            f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]),
                        tensor_maps=F.single_tensor_maps(c, target))
@@ -536,14 +543,16 @@ def _weights(c: F.Layer) -> tuple[PackedWeight, ...]:
     router_sources = ("gate.weight",) + (("shared_expert_gate.weight",) if c.gated else ())
     weights = [
         PackedWeight("router", router_sources, 1, False, 0, c.e + c.z + int(c.gated), c.rows_pad, h),
-        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, c.fmt_e, "s13"),
-        PackedWeight("w2", ("experts.down_proj",), c.tune.down_tiles, True, e, h, h, i, c.fmt_e, "s2"),
+        PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, i, i, h, c.fmt_e, "s13",
+                     c.a8_routed),
+        PackedWeight("w2", ("experts.down_proj",), c.tune.down_tiles, True, e, h, h, i, c.fmt_e, "s2", c.a8_routed),
     ]
     if si:
         weights += [
             PackedWeight("ws13", ("shared_expert.gate_proj", "shared_expert.up_proj"), 2, False, 0, si, si, h,
-                         c.fmt_s, "ss13"),
-            PackedWeight("ws2", ("shared_expert.down_proj",), c.tune.down_tiles, True, 0, h, h, si, c.fmt_s, "ss2"),
+                         c.fmt_s, "ss13", c.a8_shared),
+            PackedWeight("ws2", ("shared_expert.down_proj",), c.tune.down_tiles, True, 0, h, h, si, c.fmt_s, "ss2",
+                         c.a8_shared),
         ]
     return tuple(weights)
 

@@ -46,7 +46,10 @@ class GemmTiles:
     fp8: bool = False
     # FP8 activations too (with fp8): the tokens' rows as e4m3 codes in A8_ORDER with a scale per
     # token and 128 channels, multiplied on the tensor cores as codes (wgmma e4m3, k-tiles 128 wide,
-    # each a K block), the scales in each stage
+    # each a K block), the scales in each stage. The operands swapped (prefill_gemm_a8): the tokens
+    # are wgmma's M (bn = 128 a tile, 64 a warpgroup: bm 128) and a block's 128 weight rows its N
+    # (gate/up: 64 columns of H; down: 128 of Y, with down_pair), both from shared memory, the
+    # weights in the core-matrix layout (moegen.weights.pack_fp8_core) by one TMA box a k-tile
     a8: bool = False
     # The down GEMMs on whole row groups of two tiles (down_tiles 2, with the producer warpgroup):
     # each warp holds both tiles' accumulators, as gate/up holds gate's and up's (the same ring).
@@ -75,11 +78,13 @@ class GemmTiles:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
         if self.stages not in PREFILL_STAGES or self.down_stages not in (0, *PREFILL_STAGES):
             raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: 3 to 8 (down 0: as stages)")
-        if self.fp8 and not (self.ws and self.bn <= 64):
+        if self.a8 and not (self.fp8 and self.ws and self.bm == 128 and self.bn == 128 and self.down_pair):
+            raise ValueError(f"a8 with fp8={self.fp8}, ws={self.ws}, bm={self.bm}, bn={self.bn}, down_pair={self.down_pair}: "
+                             "FP8 activations need FP8 block weights, the producer warpgroup, two consumer warpgroups "
+                             "of 64 token rows (bm = bn = 128) and the down GEMM on row-group pairs")
+        if self.fp8 and not self.a8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
                              "(a K block's accumulators beside the sums)")
-        if self.a8 and not self.fp8:
-            raise ValueError("a8 (FP8 activations) without fp8 (FP8 block weights)")
         if self.down_pair and not self.ws:
             raise ValueError("down_pair without the producer warpgroup")
         if self.bulk_a and not self.ws:
@@ -154,7 +159,8 @@ class GemmTiles:
         weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
         scales (FP4: 1 KB) and the stage's two barriers (barriers_in_pad: in the staged Y rows' padding)."""
         per_warp = units // 2 if self.fp8 and not self.a8 or self.fp8_tensor else units // 4 if self.fp4 else units
-        return (self.bn * 128 + self.threads // 32 * per_warp * 512 + (1024 if self.a8 or self.fp4 else 0)
+        weights = 128 * 128 if self.a8 else self.threads // 32 * per_warp * 512  # (A8: 128 rows x 128 K)
+        return (self.bn * 128 + weights + (1024 if self.a8 or self.fp4 else 0)
                 + (16 if self.ws and not barriers_in_pad else 0))
 
     @property
@@ -170,8 +176,15 @@ class GemmTiles:
 
     @property
     def down_rows(self) -> int:
-        """Weight rows of a down GEMM block: a 16-row tile a warp, or a row group of two (down_pair)."""
-        return self.threads // 32 * (32 if self.down_pair else 16)
+        """Weight rows of a down GEMM block: a 16-row tile a warp, or a row group of two (down_pair);
+        A8: 128 (the block's N)."""
+        return 128 if self.a8 else self.threads // 32 * (32 if self.down_pair else 16)
+
+    @property
+    def gate_up_rows(self) -> int:
+        """Columns of H a gate/up GEMM block computes: a 16-row tile a warp; A8: 64 (gate's and up's
+        64 rows, the block's N of 128)."""
+        return 64 if self.a8 else self.threads // 32 * 16
 
     @property
     def gate_up_smem_bytes(self) -> int:
@@ -180,9 +193,10 @@ class GemmTiles:
 
 
 PERSISTENT_KTILES = 32  # 64-wide k-tiles up to which a GEMM with a producer warpgroup runs persistent
-# FP8 activations: the column of each 32-wide chunk at logical K position L (the e4m3 wgmma's A
-# fragment holds k 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of lane t; the packed codes give lane t
-# columns 8t .. 8t + 7): the activations' codes are stored in this order.
+# FP8 activations: the column of each 32-wide chunk at logical K position L. The activations' codes
+# are stored in this order, and the weights' codes in the core-matrix layout too
+# (moegen.weights.pack_fp8_core), so that the e4m3 A fragment of lane t (K 4t .. 4t + 3 and 16 + 4t
+# .. 16 + 4t + 3, through ldmatrix) holds columns 8t .. 8t + 7, the bf16 fragments' of pack_fp8.
 A8_ORDER = tuple(8 * ((L % 16) // 4) + 4 * (L // 16) + L % 4 for L in range(32))
 DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
 MAX_EXPERTS = 512  # routed experts the grouping kernels handle (shared-memory tables)

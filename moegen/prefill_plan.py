@@ -106,8 +106,11 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
     bulk = t.prefill_bulk_a and t.prefill_ws
     # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
     fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
-    g = GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
-                  ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=fp8 and c.a8, down_pair=pair,
+    # FP8 activations: tokens as wgmma's M, 128 a tile over two consumer warpgroups (unsupported()
+    # names a tuning without them or the row-group pairs)
+    a8 = fp8 and c.a8 and bm == TILES.bm and pair
+    g = GemmTiles(bm, TILES.bn if a8 else FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
+                  ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=a8, down_pair=pair,
                   bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
     # the staged Y tile: the routed down GEMM (K = I) persistent, two consumer warpgroups
     want = t.prefill_stage_y if t.prefill_stage_y is not None else fmt == "bf16" or bool(fp4)
@@ -157,6 +160,10 @@ def unsupported(c: Layer) -> str:
         (c.fmt_e == "fp8_tensor" and (not ws or c.si or c.bias or c.woi),
          "FP8 per-tensor experts without the producer warpgroup, or with a shared expert, biases or the weights on the input"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
+        (fp8 and c.a8 and not tiles(c).a8,
+         "FP8 activations without two consumer warpgroups and the down GEMM on row-group pairs (tunings prefill_bm, "
+         "prefill_down_pair, down_tiles=2)"),
+        (tiles(c).a8 and c.h % 128, "FP8 activations with a hidden width not a multiple of 128"),
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          (f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
           "prefill_bulk_a, prefill_down_pair, down_tiles=2)")),
@@ -336,6 +343,14 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             full.pop()
         return tuple(full)
 
+    # A8: each GEMM copies its weights' k-tiles by a TMA box (a8_tensor_maps: w13, w2, ws13, ws2 in
+    # the weights' buffer "tmaps"), its last argument after (sc, xs, wrow, bias0, bias1)
+    tmaps = (("const void* __restrict__ tmaps", None, "w.tmaps"),) if t.a8 else ()
+
+    def tmap(rest: tuple[str, ...], idx: int) -> tuple[str, ...]:
+        return (*rest, *("nullptr",) * (5 - len(rest)), f"static_cast<const char*>(tmaps) + {128 * idx}") if t.a8 \
+            else rest
+
     # BIAS (GPT-OSS): the routed experts' biases, [E][I] for gate and up, [E][H] for down
     b13 = ((("const float* __restrict__ b_gate", None, "w.b_gate"), ("const float* __restrict__ b_up", None, "w.b_up"))
            if c.bias else ())
@@ -390,21 +405,23 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                              ((f"{act_in} xp", None, xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
-                              *((wrow,) if c.woi else ()), *b13),
+                              *((wrow,) if c.woi else ()), *b13, *tmaps),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ())),
+                              *tmap(tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ()), 0)),
                              "prefill_gemm",
-                             f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, "
-                             f"{warps} 16-row tiles x {t.packed_rows} tokens a block"),
+                             f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma ({'both operands from shared memory' if t.a8 else 'register A'}) on the packed tiles, "
+                             + (f"{t.packed_rows} tokens x 64 columns a block" if t.a8 else
+                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
                           targs("false", str(c.tune.down_tiles), bias=c.bias),
                           ((f"{act_in} hp", None, hin),
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
-                           n, *scales("s2", "sa"), *b2),
+                           n, *scales("s2", "sa"), *b2, *tmaps),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
-                           *tail("s2", "sa", biases=("b_down",) if c.bias else ())),
+                           *tmap(tail("s2", "sa", biases=("b_down",) if c.bias else ()), 1)),
                           "prefill_gemm",
-                          f"prefill: Y = H' Wd per expert (bf16), {warps} 16-row tiles x {t.packed_rows} tokens a block"),
+                          f"prefill: Y = H' Wd per expert (bf16), " + (f"{t.packed_rows} tokens x 128 columns a block" if t.a8 else
+                                                                        f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")
                         + ("_winput" if c.woi else ""), EW_THREADS, ("true",) if c.woi else (),
                         (("const bf16_t* __restrict__ y", None, "ws.y"), slot,
@@ -457,21 +474,47 @@ def kernels(c: Layer) -> dict[str, Kernel]:
             "gemm_gate_up_shared", f"gate_up_shared_h{h}_i{si}_{gemm_tag(ts)}_{ts.wfmt}_{c.act_tag}", ts.packed_threads,
             targs("true", "2", "false", tile=ts),
             ((f"{act_in} xp", None, xin), ("const uint4* __restrict__ ws13", None, "w.ws13"),
-             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx", ts)),
+             stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx", ts), *tmaps),
             ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0",
-             *sarg("ss13", "sx", ts)),
+             *tmap(sarg("ss13", "sx", ts), 2)),
             "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {ts.packed_rows} tokens a block", ts)
         out["gemm_down_shared"] = kern(
             "gemm_down_shared", f"down_shared_h{h}_i{si}_{down_tag(ts)}_m{c.tune.down_tiles}_{ts.wfmt}", ts.packed_threads,
             targs("false", str(c.tune.down_tiles), tile=ts),
             ((f"{act_in} hp", None, hsin), ("const uint4* __restrict__ ws2", None, "w.ws2"),
-             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas", ts)),
+             stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas", ts), *tmaps),
             ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0",
-             *sarg("ss2", "sas", ts)),
+             *tmap(sarg("ss2", "sas", ts), 3)),
             "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (bf16)", ts)
     return out
+
+
+def a8_tensor_maps(c: Layer) -> tuple:
+    """The tensor maps the prefill GEMMs with FP8 activations copy their weights with (w13, w2, then
+    the shared expert's ws13, ws2; indices 0-3 of the weights' buffer "tmaps"): over the core-matrix
+    layout (moegen.weights.pack_fp8_core: per group (gate/up's 16-row tile, down's row group of two),
+    32-wide chunk, matrix and K half, the two 8-row halves' core matrices, 256 bytes), 32-bit
+    elements, dims innermost first: those 256 bytes, the matrix, the group (every expert's in turn),
+    the K half, the chunk. One box, a GEMM block's k-tile (four groups: 128 weight rows, four chunks),
+    lands in shared memory as [chunk][K half][group][matrix][256 bytes]: the block's 128 rows as
+    core matrices 128 bytes apart (gate/up: each group's gate rows, then its up rows), the K halves
+    2048 bytes apart, as prefill_gemm_a8's B descriptor reads them."""
+    from .plan import TensorMap
+
+    t = tiles(c)
+    if not t.a8 or unsupported(c):
+        return ()
+
+    def tmap(weight: str, groups: int, kc: int, tile: GemmTiles) -> TensorMap:
+        return TensorMap(weight, (64, 2, groups, 2, kc), (512, kc * 2 * 512, 256, 2 * 512), (64, 2, 4, 2, 4))
+
+    maps = (tmap("w13", c.e_local * (c.i // 16), c.h // 32, t), tmap("w2", c.e_local * (c.h // 32), c.i // 32, t))
+    if c.si:
+        ts = shared_tiles_of(c)
+        maps += (tmap("ws13", c.si // 16, c.h // 32, ts), tmap("ws2", c.h // 32, c.si // 32, ts))
+    return maps
 
 
 def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
@@ -480,9 +523,8 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
 
     ks = kernels(c)
     t, ts = tiles(c), shared_tiles_of(c)
-    warps = t.threads // 32
 
-    def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = 16 * warps, tile: GemmTiles = t
+    def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = t.gate_up_rows, tile: GemmTiles = t
                   ) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
         multiprocessor; otherwise a block per (row block of `rows`, tile)."""
@@ -500,7 +542,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
         group["quant_x"] = per_tile(c.h)
     routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
               "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb), t.down_rows), t.packed_threads, t.down_smem_bytes)}
-    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb), tile=ts), ts.packed_threads,
+    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb), ts.gate_up_rows, ts), ts.packed_threads,
                                        ts.gate_up_smem_bytes),
                "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb), ts.down_rows, ts), ts.packed_threads,
                                     ts.down_smem_bytes)}

@@ -351,7 +351,7 @@ class Layer:
             if pw.format == "nvfp4":
                 return codes, W.nv_scale_tiles(pw, scale)
             return codes, W.mx_scale_tiles(pw, scale, prefill=self.plan.prefill_from > 0)
-        codes = _by_experts(pieces, pw.sources, lambda c: W.pack_fp8(pw, c))
+        codes = _by_experts(pieces, pw.sources, lambda c: (W.pack_fp8_core if pw.core else W.pack_fp8)(pw, c))
         if pw.format == "fp8_tensor":
             scales = {f"{src}{x}": whole(f"{src}{x}") for src in pw.sources for x in ("_scale", "_input_scale")}
             return codes, W.fp8_tensor_scales(pw, scales)

@@ -4,7 +4,9 @@ The GEMV kernels read each weight matrix as 16-row tiles in tensor-core fragment
 (see TileGemv in templates/common.cuh.j2): [tile][K/32 chunk][MATS][2 k-steps][32 lanes][8].
 Lane (g, t) of k-step s holds rows g and g+8 and, inside its chunk, columns 8t+4s .. 8t+4s+3,
 as the four registers of an m16n8k16 A fragment: (row g, cols 0-1), (row g+8, cols 0-1),
-(row g, cols 2-3), (row g+8, cols 2-3).
+(row g, cols 2-3), (row g+8, cols 2-3). FP8 block codes with FP8 activations are laid out as
+wgmma's core matrices instead (pack_fp8_core), which the prefill GEMMs read from shared memory by
+descriptor and the GEMV kernels through ldmatrix: the same 512 bytes a chunk and matrix.
 """
 
 from __future__ import annotations
@@ -177,18 +179,24 @@ def packed_nbytes(pw: PackedWeight) -> int:
     return per_matrix if pw.interleaved else per_matrix * pw.mats
 
 
-def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray], fp8: bool = False) -> np.ndarray:
+def _tile_sources(pw: PackedWeight, sources: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], int]:
+    """The MATS matrices whose 16-row tiles are packed side by side, and the rows each is padded to."""
     if pw.interleaved:  # the MATS matrices of a group are its consecutive 16-row tiles
         w = sources[pw.sources[0]]
         lead, (r, k) = w.shape[:-2], w.shape[-2:]
         p = np.zeros((*lead, pw.rows_padded, k), w.dtype)
         p[..., :r, :] = w
         p = p.reshape(*lead, pw.rows_padded // (16 * pw.mats), pw.mats, 16, k)
-        mats = [p[..., m, :, :].reshape(*lead, pw.rows_padded // pw.mats, k) for m in range(pw.mats)]
-        return pack_tiles(mats, pw.rows_padded // pw.mats, fp8)
+        return [p[..., m, :, :].reshape(*lead, pw.rows_padded // pw.mats, k) for m in range(pw.mats)], \
+            pw.rows_padded // pw.mats
     if pw.mats == 1 and len(pw.sources) > 1:  # e.g. router rows then the shared-expert gate row
-        return pack_tiles([np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded, fp8)
-    return pack_tiles([sources[s] for s in pw.sources], pw.rows_padded, fp8)
+        return [np.concatenate([sources[s] for s in pw.sources], axis=0)], pw.rows_padded
+    return [sources[s] for s in pw.sources], pw.rows_padded
+
+
+def _pack_one(pw: PackedWeight, sources: Mapping[str, np.ndarray], fp8: bool = False) -> np.ndarray:
+    mats, rows = _tile_sources(pw, sources)
+    return pack_tiles(mats, rows, fp8)
 
 
 # Byte order of an FP8 fragment word: elements e0, e2, e1, e3 (the kernels' e4m3x4_to_bf16x4
@@ -205,6 +213,57 @@ def pack_fp8(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
         if ((np.asarray(c).view(np.uint8) & 0x7F) == 0x7F).any():
             raise WeightError(f"{name}: e4m3 NaN codes (0x7F, 0xFF); FP8 weights must be finite")
     return _pack_one(pw, codes, fp8=True)  # [..., T, KC, MATS, 32 lanes, 2 k-steps, 8]
+
+
+def _core_order(k: int) -> np.ndarray:
+    """The column each packed K position of the core-matrix layout holds: A8_ORDER inside every
+    32-wide chunk (the FP8 activations' codes are stored in that order)."""
+    from .prefill import A8_ORDER
+
+    return np.array([c - c % 32 + A8_ORDER[c % 32] for c in range(k)])
+
+
+def pack_fp8_core(pw: PackedWeight, codes: Mapping[str, np.ndarray]) -> np.ndarray:
+    """FP8 block codes with FP8 activations, in wgmma's core-matrix layout (one copy for every path):
+    per group of the MATS matrices' 16-row tiles (as pack_tiles groups them), 32-wide K chunk and
+    matrix, the chunk's four 8-row x 16-byte core matrices (512 contiguous bytes, as pack_fp8's
+    fragments of a chunk) in ldmatrix.x4's order: K 0-15 rows 0-7, K 0-15 rows 8-15, K 16-31 rows
+    0-7, K 16-31 rows 8-15; K in A8_ORDER inside each chunk. A GEMV lane copies 16 bytes, row
+    l % 8 of core matrix l / 8, which ldmatrix.x4 hands back as the chunk's e4m3 A fragment; the
+    prefill GEMMs copy a K tile of a block's groups with one TMA box that puts the core matrices of
+    each (chunk, matrix, K half) of every group's two row halves side by side, what a wgmma
+    descriptor without swizzle reads as 64 rows (moegen.prefill_plan.a8_tensor_maps).
+    [..., T, K/32, MATS, 2, 2, 8, 16] bytes. NaN codes are refused as in pack_fp8."""
+    for name, c in codes.items():
+        if ((np.asarray(c).view(np.uint8) & 0x7F) == 0x7F).any():
+            raise WeightError(f"{name}: e4m3 NaN codes (0x7F, 0xFF); FP8 weights must be finite")
+    mats, rows = _tile_sources(pw, codes)
+    lead = mats[0].shape[:-2]
+    k = mats[0].shape[-1]
+    if k % 32 or rows % 16:
+        raise WeightError(f"{pw.name}: cannot lay out [{rows}, {k}] in 16-row tiles of 32-wide K chunks")
+    nl = len(lead)
+    out = []
+    for m in mats:
+        p = np.zeros((*lead, rows, k), np.uint8)
+        p[..., : m.shape[-2], :] = m
+        p = p[..., _core_order(k)].reshape(*lead, rows // 16, 2, 8, k // 32, 2, 16)  # [.., T, h, row, KC, kh, 16]
+        out.append(p.transpose(*range(nl), nl, nl + 3, nl + 4, nl + 1, nl + 2, nl + 5))  # [.., T, KC, kh, h, row, 16]
+    return np.ascontiguousarray(np.stack(out, axis=nl + 2))  # [.., T, KC, MATS, kh, h, row, 16]
+
+
+def unpack_fp8_core(pw: PackedWeight, packed: np.ndarray) -> list[np.ndarray]:
+    """Inverse of pack_fp8_core: the codes of each source matrix [..., rows, K]."""
+    lead = packed.shape[:-7]
+    t_, kc, mats = packed.shape[-7:-4]
+    nl = len(lead)
+    inv = np.argsort(_core_order(kc * 32))
+    ms = [packed[..., m, :, :, :, :].transpose(*range(nl), nl, nl + 3, nl + 4, nl + 1, nl + 2, nl + 5)
+          .reshape(*lead, t_ * 16, kc * 32)[..., inv] for m in range(mats)]
+    if pw.interleaved:  # the MATS tiles are consecutive 16-row tiles of the one source
+        full = np.stack([m.reshape(*lead, t_, 16, kc * 32) for m in ms], axis=-3)
+        return [full.reshape(*lead, -1, kc * 32)[..., : pw.rows, :]]
+    return [m[..., : pw.rows, :] for m in ms]
 
 
 def fp8_scales(pw: PackedWeight, scales: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -4,6 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from moegen import weights as W
 from moegen.weights import WeightError, bf16_bits, pack_tiles, unpack_tiles
 
 
@@ -376,39 +377,104 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
 
 
-def test_fp8_a8_fragments_as_the_e4m3_wgmma_reads_them():
-    """FP8 activations on the tensor cores: a lane's 16 packed bytes (pack_fp8), regrouped by the
-    four prmt of e4m3_frag (templates/grouped_gemm.cu.j2), are the register A fragment of wgmma
-    m64nNk32 with e4m3 operands as the PTX ISA lays it out (lane 4g + t: register 0 row g, k 4t ..
-    4t + 3; register 1 row g + 8, the same k; registers 2 and 3 the same rows at k 16 + 4t ..
-    16 + 4t + 3), over K in A8_ORDER; and the quantization kernel's lane l writes logical positions
-    4l .. 4l + 3 of a 128-wide block from its columns col(l) .. col(l) + 3 in that order."""
+def _ldmatrix_x4(slots: np.ndarray) -> list[list[int]]:
+    """PTX ldmatrix.sync.aligned.m8n8.x4.b16 over the 16-byte rows `slots` [32, 16] (lane l's address:
+    row l % 8 of matrix l / 8): register j of lane i is matrix j's row i / 4, bytes 4 (i % 4) .. + 3."""
+    return [[int.from_bytes(bytes(slots[8 * j + i // 4, 4 * (i % 4): 4 * (i % 4) + 4]), "little") for j in range(4)]
+            for i in range(32)]
+
+
+def _tma_box(src: np.ndarray, dims: tuple, strides: tuple, box: tuple, at: tuple) -> np.ndarray:
+    """A TMA tile copy (cp.async.bulk.tensor, 32-bit elements) of one box at coordinates `at` (dims
+    innermost first, strides in bytes for dims 1..), as the bytes it lands in shared memory: the
+    box's elements in order, innermost dim fastest."""
+    words = src.view("<u4")
+    out = []
+    for idx in np.ndindex(*reversed(box)):
+        c = [a + i for a, i in zip(at, reversed(idx))]
+        assert all(0 <= v < d for v, d in zip(c, dims))
+        out.append(words[(c[0] * 4 + sum(v * st for v, st in zip(c[1:], strides))) // 4])
+    return np.array(out, "<u4").view(np.uint8)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["gate_up", "down_pairs"])
+def test_fp8_core_layout_as_the_gemv_and_the_e4m3_wgmma_read_it(interleaved):
+    """FP8 block codes with FP8 activations (pack_fp8_core), read both ways the kernels read them:
+    TileGemv's lane copies the 16 bytes at its place in the chunk's 512 (as for pack_fp8), ldmatrix.x4
+    hands the fragments back and four prmt regroup them into the bf16 m16n8k16 fragments of a
+    k-step (columns 8t + 4s .. + 3 of lane t, as pack_fp8's); and the prefill GEMMs' TMA box
+    (prefill_plan.a8_tensor_maps) lands a block's k-tile where wgmma reads A (64 rows x 32 K of matrix
+    a, k-step kk, each warpgroup's four groups) by a descriptor without swizzle (core matrices 128
+    bytes apart along the rows, WARPS x 256 bytes along K), K in A8_ORDER. Rows padded, every finite
+    code; unpack_fp8_core inverts the packing. The quantization kernel's lane l writes logical
+    positions 4l .. 4l + 3 of a 128-wide block from its columns col(l) .. col(l) + 3 in that order."""
     from moegen.plan import PackedWeight
     from moegen.prefill import A8_ORDER
-    from moegen.weights import pack_fp8
+    from moegen.weights import pack_fp8_core, unpack_fp8_core
 
     assert sorted(A8_ORDER) == list(range(32))
     rng = np.random.default_rng()
-    e, rows, pad, k = 2, 24, 32, 128
-    pw = PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, rows, pad, k, "fp8_block", "s")
+    e, k, warps = 2, 256, 8
+    if interleaved:  # a down weight: row groups of two consecutive 16-row tiles of one source
+        pw = PackedWeight("w2", ("experts.down_proj",), 2, True, e, 248, 256, k, "fp8_block", "s", True)
+    else:
+        pw = PackedWeight("w13", ("experts.gate_proj", "experts.up_proj"), 2, False, e, 120, 128, k, "fp8_block", "s",
+                          True)
     finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
-    codes = {s: rng.choice(finite, (e, rows, k)) for s in pw.sources}
-    words = pack_fp8(pw, codes).view("<u4").reshape(e, pad // 16, k // 32, 2, 32, 4)  # q.x, q.y, q.z, q.w a lane
+    codes = {s: rng.choice(finite, (e, pw.rows, k)) for s in pw.sources}
+    codes[pw.sources[0]][0, 0, : len(finite) // 2] = finite[: len(finite) // 2]
+    codes[pw.sources[-1]][1, 1, : len(finite) // 2] = finite[len(finite) // 2:]
+    packed = pack_fp8_core(pw, codes)
+    assert packed.nbytes == W.packed_nbytes(pw)
+    for src, back in zip(pw.sources, unpack_fp8_core(pw, packed)):
+        assert np.array_equal(back, codes[src])
+    with pytest.raises(WeightError, match="e4m3 NaN codes"):
+        pack_fp8_core(pw, {s: np.full((e, pw.rows, k), 0xFF, np.uint8) for s in pw.sources})
+    mats, kc = pw.mats, k // 32
+    groups = pw.rows_padded // 16 // (mats if interleaved else 1)
+    flat = packed.reshape(e, -1, 16)  # an expert's 16-byte units
+
+    def matrix(ex: int, a: int) -> np.ndarray:  # matrix a of the groups, [groups * 16, K], padded rows zero
+        full = np.zeros((pw.rows_padded, k), np.uint8)
+        full[: pw.rows] = codes[pw.sources[0 if interleaved else a]][ex]
+        if interleaved:
+            return full.reshape(groups, mats, 16, k)[:, a].reshape(-1, k)
+        return full
+
     for ex in range(e):
-        for mt, src in enumerate(pw.sources):
-            w = np.zeros((pad, k), np.uint8)
-            w[:rows] = codes[src][ex]
-            for tile in range(pad // 16):
-                for c in range(k // 32):
+        ms = [matrix(ex, a) for a in range(mats)]
+        for grp in range(groups):
+            for c in range(kc):
+                for f in range(mats):  # common.cuh.j2 TileGemv: a + (c * AU + f) * 32 + lane
+                    regs = _ldmatrix_x4(flat[ex, grp * kc * mats * 32 + (c * mats + f) * 32 + np.arange(32)])
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
-                        q = [int(v) for v in words[ex, tile, c, mt, lane]]
-                        regs = (_prmt(q[0], q[1], 0x6420), _prmt(q[0], q[1], 0x7531), _prmt(q[2], q[3], 0x6420),
-                                _prmt(q[2], q[3], 0x7531))
-                        for r, reg in enumerate(regs):
-                            row = tile * 16 + g + 8 * (r & 1)
-                            want = [w[row, 32 * c + A8_ORDER[4 * t + 16 * (r >> 1) + b]] for b in range(4)]
-                            assert [(reg >> (8 * b)) & 0xFF for b in range(4)] == want, (ex, src, tile, c, lane, r)
+                        r = regs[lane]
+                        q = (_prmt(r[0], r[1], 0x5140), _prmt(r[0], r[1], 0x7362), _prmt(r[2], r[3], 0x5140),
+                             _prmt(r[2], r[3], 0x7362))
+                        for s_ in range(2):
+                            got = [v for wd in q[2 * s_: 2 * s_ + 2] for rr in _e4m3x4_to_bf16x4(wd)
+                                   for v in _times_2_120(rr)]
+                            col, rows_ = 32 * c + 8 * t + 4 * s_, (grp * 16 + g, grp * 16 + g + 8)
+                            want = [ms[f][rows_[h], col + 2 * hi + j] for hi in (0, 1) for h in (0, 1) for j in (0, 1)]
+                            assert np.array_equal(got, _e4m3(np.array(want, np.uint8))), (ex, grp, c, f, lane, s_)
+    # the prefill GEMMs: the map over every expert's groups (prefill_plan.a8_tensor_maps), one box a k-tile
+    dims, strides, box = (64, e * groups, 2, 2, kc), (kc * 2 * 512, 256, 512, 2 * 512), (64, warps, 2, 2, 4)
+    src = packed.reshape(-1)
+    for ex in range(e):
+        ms = [matrix(ex, a) for a in range(mats)]
+        for g0 in (0, groups - warps):  # a block's first group (the last block overlapping the one before)
+            for kt in range(k // 128):
+                smem = _tma_box(src, dims, strides, box, (0, ex * groups + g0, 0, 0, kt * 4))
+                for wg in range(warps // 4):
+                    for a in range(mats):
+                        for kk in range(4):  # grouped_gemm.cu.j2 a8_issue: a_wg + (kk * 2 + a) * 2 * A8_KH
+                            lbo, sbo = warps * 256, 128
+                            start = wg * 4 * 256 + (kk * 2 + a) * 2 * lbo
+                            m, kx = np.meshgrid(range(64), range(32), indexing="ij")
+                            got = smem[start + (m // 8) * sbo + (kx // 16) * lbo + (m % 8) * 16 + kx % 16]
+                            want = ms[a][(g0 + 4 * wg) * 16 + m, kt * 128 + kk * 32 + np.array(A8_ORDER)[kx]]
+                            assert np.array_equal(got, want), (ex, g0, kt, wg, a, kk)
     for lane in range(32):  # prefill_quant_rows: col = (l / 8) * 32 + 8 (l % 4) + 4 ((l / 4) % 2)
         col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1)
         assert [col + b for b in range(4)] == [32 * (lane // 8) + A8_ORDER[(4 * lane + b) % 32] for b in range(4)]
