@@ -47,9 +47,10 @@ class GemmTiles:
     # FP8 activations too (with fp8): the tokens' rows as e4m3 codes in A8_ORDER with a scale per
     # token and 128 channels, multiplied on the tensor cores as codes (wgmma e4m3, k-tiles 128 wide,
     # each a K block), the scales in each stage. The operands swapped (prefill_gemm_a8): the tokens
-    # are wgmma's M (bn = 128 a tile, 64 a warpgroup: bm 128) and a block's 128 weight rows its N
-    # (gate/up: 64 columns of H; down: 128 of Y, with down_pair), both from shared memory, the
-    # weights in the core-matrix layout (moegen.weights.pack_fp8_core) by one TMA box a k-tile
+    # are wgmma's M (a 64-row tile a consumer warpgroup, two consecutive tiles a block: bm 128, bn
+    # 64) and a block's 128 weight rows its N (gate/up: 64 columns of H; down: 128 of Y, with
+    # down_pair), both from shared memory, the weights in the core-matrix layout
+    # (moegen.weights.pack_fp8_core) by a TMA box a k-tile and expert
     a8: bool = False
     # The down GEMMs on whole row groups of two tiles (down_tiles 2, with the producer warpgroup):
     # each warp holds both tiles' accumulators, as gate/up holds gate's and up's (the same ring).
@@ -78,10 +79,10 @@ class GemmTiles:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
         if self.stages not in PREFILL_STAGES or self.down_stages not in (0, *PREFILL_STAGES):
             raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: 3 to 8 (down 0: as stages)")
-        if self.a8 and not (self.fp8 and self.ws and self.bm == 128 and self.bn == 128 and self.down_pair):
+        if self.a8 and not (self.fp8 and self.ws and self.bm == 128 and self.bn == 64 and self.down_pair):
             raise ValueError(f"a8 with fp8={self.fp8}, ws={self.ws}, bm={self.bm}, bn={self.bn}, down_pair={self.down_pair}: "
                              "FP8 activations need FP8 block weights, the producer warpgroup, two consumer warpgroups "
-                             "of 64 token rows (bm = bn = 128) and the down GEMM on row-group pairs")
+                             "(bm 128) of a 64-row tile each (bn 64) and the down GEMM on row-group pairs")
         if self.fp8 and not self.a8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
                              "(a K block's accumulators beside the sums)")
@@ -159,8 +160,9 @@ class GemmTiles:
         weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
         scales (FP4: 1 KB) and the stage's two barriers (barriers_in_pad: in the staged Y rows' padding)."""
         per_warp = units // 2 if self.fp8 and not self.a8 or self.fp8_tensor else units // 4 if self.fp4 else units
-        weights = 128 * 128 if self.a8 else self.threads // 32 * per_warp * 512  # (A8: 128 rows x 128 K)
-        return (self.bn * 128 + weights + (1024 if self.a8 or self.fp4 else 0)
+        # (A8: two tiles' token rows, and 128 weight rows x 128 K for each tile's expert)
+        weights = 2 * 128 * 128 if self.a8 else self.threads // 32 * per_warp * 512
+        return (self.bn * 128 * (2 if self.a8 else 1) + weights + (1024 if self.a8 or self.fp4 else 0)
                 + (16 if self.ws and not barriers_in_pad else 0))
 
     @property

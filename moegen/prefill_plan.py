@@ -106,10 +106,10 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
     bulk = t.prefill_bulk_a and t.prefill_ws
     # FP4: with the bulk copies and row-group pairs (unsupported() names the rest)
     fp4 = fmt if fmt in FP4_FORMATS and bulk and pair else ""
-    # FP8 activations: tokens as wgmma's M, 128 a tile over two consumer warpgroups (unsupported()
+    # FP8 activations: tokens as wgmma's M, a tile a consumer warpgroup, two of them (unsupported()
     # names a tuning without them or the row-group pairs)
     a8 = fp8 and c.a8 and bm == TILES.bm and pair
-    g = GemmTiles(bm, TILES.bn if a8 else FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
+    g = GemmTiles(bm, FP8_BN if fp8 else TILES.bn, t.prefill_stages or TILES.stages,
                   ws=t.prefill_ws, down_stages=t.prefill_down_stages, fp8=fp8, a8=a8, down_pair=pair,
                   bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
     # the staged Y tile: the routed down GEMM (K = I) persistent, two consumer warpgroups
@@ -410,7 +410,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                               *tmap(tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ()), 0)),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma ({'both operands from shared memory' if t.a8 else 'register A'}) on the packed tiles, "
-                             + (f"{t.packed_rows} tokens x 64 columns a block" if t.a8 else
+                             + ("two 64-row tiles x 64 columns a block" if t.a8 else
                               f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
                           targs("false", str(c.tune.down_tiles), bias=c.bias),
@@ -420,7 +420,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
                            *tmap(tail("s2", "sa", biases=("b_down",) if c.bias else ()), 1)),
                           "prefill_gemm",
-                          f"prefill: Y = H' Wd per expert (bf16), " + (f"{t.packed_rows} tokens x 128 columns a block" if t.a8 else
+                          f"prefill: Y = H' Wd per expert (bf16), " + ("two 64-row tiles x 128 columns a block" if t.a8 else
                                                                         f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")
                         + ("_winput" if c.woi else ""), EW_THREADS, ("true",) if c.woi else (),
@@ -527,8 +527,8 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = t.gate_up_rows, tile: GemmTiles = t
                   ) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
-        multiprocessor; otherwise a block per (row block of `rows`, tile)."""
-        return ("sms", 1) if tile.persistent(k_dim) else (-(-n_out // rows), n_tiles)
+        multiprocessor; otherwise a block per (row block of `rows`, tile; A8 pair of tiles)."""
+        return ("sms", 1) if tile.persistent(k_dim) else (-(-n_out // rows), -(-n_tiles // 2) if tile.a8 else n_tiles)
 
     first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else {} if t.fp8_tensor else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})

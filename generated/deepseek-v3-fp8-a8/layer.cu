@@ -1956,12 +1956,12 @@ MOE_DEVICE void fence_regs(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// d (64 x 128 fp32, this thread's 64) = A (64 x 16) * B (16 x 128) + (accumulate ? d : 0)
-MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+// d (64 x 64 fp32, this thread's 32) = A (64 x 16) * B (16 x 64) + (accumulate ? d : 0)
+MOE_DEVICE void wgmma_bf16(float (&d)[32], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 }  // namespace gg
@@ -1977,12 +1977,12 @@ MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long l
 // tok as above. Gate and up of a row are in the same thread: the activation is applied in
 // registers and H written in bf16.
 namespace gg {
-// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 128, desc b)
-MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 64, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[32], const uint4& a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, { %32, %33, %34, %35 }, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
 }
 // FP4 (F4) row scales of one chunk as bf16 pairs: (row g's in both halves, row g + 8's in both),
@@ -2222,7 +2222,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 64, bool PT8 = false,
           bool STY = false>
 MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                                const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
@@ -2609,33 +2609,37 @@ MOE_DEVICE float ldsf(u32 addr) {
 
 // The FP8-activation GEMMs (A8): the tokens are wgmma's M and the weights its N, so that both
 // operands come from shared memory and a warpgroup's k-step is one m64n128k32 QGMMA. A block takes
-// 128 token rows of one tile (two consumer warpgroups, 64 rows each) and 128 weight rows: GATED,
-// 64 columns of H as gate's and up's 64 rows; otherwise (down) 128 columns of Y. xp holds the
-// token rows' e4m3 codes [rows][K] in A8_ORDER and xs their fp32 scales [K/128][rows] (one per
-// token and 128 channels); w the weights' codes in the core-matrix layout
+// two consecutive 64-row tiles of the table (one a consumer warpgroup) and 128 weight rows: GATED,
+// 64 columns of H as gate's and up's 64 rows; otherwise (down) 128 columns of Y. Where both tiles
+// are one expert's (an expert with more than 64 rows), its weights' k-tile is copied once for both
+// warpgroups; otherwise each tile's expert's (two experts with few rows each: no products of empty
+// rows). xp holds the token rows' e4m3 codes [rows][K] in A8_ORDER and xs their fp32 scales
+// [K/128][rows] (one per token and 128 channels); w the weights' codes in the core-matrix layout
 // (moegen.weights.pack_fp8_core: per 16-row tile, or down row group of two, a 32-wide chunk and
 // matrix is four 8-row x 16-byte core matrices, K in A8_ORDER), of which one TMA box of `tmap`
 // (moegen.prefill_plan.a8_tensor_maps) lands a k-tile (128 K, one K block) of the block's four
 // tiles / row groups as [chunk][K half][group][matrix][row half][8 rows][16 bytes]: along the
 // rows, core matrices 128 bytes apart (gate/up: each group's gate rows 0-7, 8-15 then up's, so
 // that accumulator block j of a thread holds gate (j % 4 < 2) or up of the same columns), the
-// K halves 2048 bytes apart. The tokens' k-tile is 128-byte rows in the 128-byte swizzle, gathered
-// through tok (GATHER; otherwise rows in order), their scales beside. Each K block's products go to
-// their own accumulators, two sets in turn: a k-tile's group is issued before the previous one's
-// products, times the weight block's scale and each token's, are added to the sums in fp32 (as the
-// reference scales each block). GATED writes H = act(gate, up) in column order, bf16 (the
-// quantization kernel reads it); otherwise Y bf16 [P][n_out]. A warpgroup whose 64 rows are all
-// past the tile's issues nothing.
+// K halves 2048 bytes apart. The tokens' k-tile is 128-byte rows in the 128-byte swizzle (the
+// first tile's 64, then the second's), gathered through tok (GATHER; otherwise rows in order),
+// their scales beside. Each K block's products go to their own accumulators, two sets in turn: a
+// k-tile's group is issued before the previous one's products, times the weight block's scale and
+// each token's, are added to the sums in fp32 (as the reference scales each block). A token row's
+// products are the same whatever the other tile of its block. GATED writes H = act(gate, up) in
+// column order, bf16 (the quantization kernel reads it); otherwise Y bf16 [P][n_out].
 template <bool GATED, bool GATHER, bool CLAMP>
 MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
                                 void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
                                 int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
                                 const void* __restrict__ tmap) {
-  constexpr int BN = 128, BK = 128, S = GATED ? 4 : 4;
+  constexpr int BN = 64, BK = 128, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, PT = 128;
-  constexpr u32 X_BYTES = BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + W_BYTES, STAGE = SC_OFF + 1024;
-  constexpr int BJ = BN * 8 / PT;
-  static_assert(256 == CONSUMERS && BJ * PT == BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
+  // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
+  // differ), the token rows' scales
+  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + 2 * W_BYTES, STAGE = SC_OFF + 1024;
+  constexpr int BJ = 2 * BN * 8 / PT;
+  static_assert(256 == CONSUMERS && BJ * PT == 2 * BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
@@ -2655,42 +2659,64 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   // of two tiles (128 columns of Y); the last block overlapping the one before where the units are
   // not whole blocks
   const int units = GATED ? row_tiles : row_tiles / 2;
-  const int rbs = (units + 3) / 4, n_tiles = (n * topk + BN - 1) / BN + extra, blocks = rbs * n_tiles;
+  const int rbs = (units + 3) / 4, n_tiles = (n * topk + BN - 1) / BN + extra, pairs = (n_tiles + 1) / 2;
+  const int blocks = rbs * pairs;
   const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
+  // the block's two tiles (a tile past the routing's: no rows, the first's expert)
+  struct Pair {
+    int e[2], row0[2], rows[2];
+  };
+  auto pair_of = [&](int pj) -> Pair {
+    Pair q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = 2 * pj + h;
+      q.rows[h] = t < n_tiles ? tiles[t * 3 + 2] : 0;
+      q.row0[h] = q.rows[h] > 0 ? tiles[t * 3 + 1] : 0;
+      q.e[h] = q.rows[h] > 0 || h == 0 ? tiles[t * 3] : q.e[0];
+    }
+    return q;
+  };
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     const int p = tid - CONSUMERS;
     if (p == 0)  // the map (written before the launch) as the tensor copies will see it
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
     const size_t srows = GATHER ? n : (size_t)n * topk;
     int gk = 0;
     for (int b = b0; b < blocks; b += grid) {
-      const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
-      const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
-      if (rows <= 0) continue;  // past the routing's tiles
-      const int u0 = e * units + gg::row_unit(blk.x, 4, units);  // the box's first group
-      const unsigned char* bsrc[BJ];  // the token row of each 16-byte piece this thread copies (past the tile: zeros)
-      bool alive[BJ];
+      const int2 blk = gg::gemm_block(b, rbs, pairs, experts);  // (row block, pair of tiles)
+      const Pair q = pair_of(blk.y);
+      if (q.rows[0] <= 0) continue;  // past the routing's tiles
+      const bool same = q.e[1] == q.e[0];
+      const int u = gg::row_unit(blk.x, 4, units);  // the box's first group of the expert
+      int bsrc[BJ];  // the token row of each 16-byte piece this thread copies (-1 past a tile: zeros)
 #pragma unroll
       for (int j = 0; j < BJ; ++j) {
-        const int r = (p + j * PT) >> 3;
-        alive[j] = r < rows;
-        bsrc[j] = static_cast<const unsigned char*>(xp) +
-                  (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim + (p & 7) * 16;
+        const int r = (p + j * PT) >> 3, h = r / BN, rr = r % BN;
+        const int hr = h ? q.rows[1] : q.rows[0], h0 = h ? q.row0[1] : q.row0[0];  // (selects: no local array)
+        bsrc[j] = rr < hr ? (GATHER ? tok[h0 + rr] : h0 + rr) : -1;
       }
-      const bool salive = p < rows;  // token row p's scale of each K block
-      const float* ssrc = xs + (salive ? (GATHER ? tok[row0 + p] : row0 + p) : 0);
+      const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
+      const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
+      const bool salive = pr < prows;  // token row p of the stage's scales
+      const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = (int)((u32)gk % S);
         if (gk >= S) mbar_wait(empty + s * 8, ((u32)gk / S - 1) & 1);
         unsigned char* st = sbase + s * STAGE;
         if (p == 0) {
-          gg::mbar_expect_tx(full + s * 8, W_BYTES);
-          gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES), tmap, 0, 0, u0, 0, kt * 4, full + s * 8);
+          gg::mbar_expect_tx(full + s * 8, same ? W_BYTES : 2 * W_BYTES);
+          gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES), tmap, 0, 0, q.e[0] * units + u, 0, kt * 4, full + s * 8);
+          if (!same)
+            gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES + W_BYTES), tmap, 0, 0, q.e[1] * units + u, 0, kt * 4,
+                             full + s * 8);
         }
 #pragma unroll
-        for (int j = 0; j < BJ; ++j) cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), bsrc[j] + kt * BK, alive[j]);
+        for (int j = 0; j < BJ; ++j)
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(bsrc[j], 0) * k_dim + kt * BK,
+                     bsrc[j] >= 0);
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
         gg::cp_async_mbar_arrive(full + s * 8);
       }
@@ -2701,11 +2727,12 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int r_lo = wg * 64 + warp * 16 + (lane >> 2);  // this thread's token rows r_lo, r_lo + 8 of the tile
+  const int r_lo = wg * 64 + warp * 16 + (lane >> 2);  // this thread's token rows r_lo, r_lo + 8 of the stage
   const size_t mstride = (size_t)experts * (n_out / 128) * (k_dim / 128);  // sc: [matrix][E][n_out/128][K/128]
   float acc[64], t0[64], t1[64];
   float sw0[2], sw1[2];
   const float* scw = sc;
+  u32 w_off = X_BYTES;  // this warpgroup's weights in the stage
   // k-tile kt of the block (the block's stage g): its four k-steps into d, the K block's weight
   // scales (gate's and up's; down's one) into sw
   auto issue = [&](int kt, int g, float (&d)[64], float (&sw)[2]) {
@@ -2714,7 +2741,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
     const u32 st = base + ((u32)g % S) * STAGE;
     sw[0] = __ldg(scw + kt);
     sw[1] = GATED ? __ldg(scw + mstride + kt) : sw[0];
-    const unsigned long long ad = gg::smem_desc(st + wg * 64 * 128), bd = gg::core_desc(st + X_BYTES, 2048, 128);
+    const unsigned long long ad = gg::smem_desc(st + wg * 64 * 128), bd = gg::core_desc(st + w_off, 2048, 128);
     gg::wg_fence();
     gg::fence_regs(d);
 #pragma unroll
@@ -2735,9 +2762,11 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   };
   int gk = 0;
   for (int b = b0; b < blocks; b += grid) {
-    const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);
-    const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
-    if (rows <= 0) continue;
+    const int2 blk = gg::gemm_block(b, rbs, pairs, experts);
+    const Pair q = pair_of(blk.y);
+    if (q.rows[0] <= 0) continue;
+    const int e = wg ? q.e[1] : q.e[0], row0 = wg ? q.row0[1] : q.row0[0], rows = wg ? q.rows[1] : q.rows[0];  // this warpgroup's tile
+    w_off = X_BYTES + (wg == 1 && q.e[1] != q.e[0] ? W_BYTES : 0);
     const int c0 = gg::row_unit(blk.x, 4, units) * (GATED ? 16 : 32);  // the block's first column of the output
     scw = sc + ((size_t)e * (n_out / 128) + c0 / 128) * (k_dim / 128);
 #pragma unroll
@@ -2766,7 +2795,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
     // the stores: a token row's two adjacent columns a word
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // token rows r_lo, r_lo + 8
-      const int r = r_lo + 8 * h;
+      const int r = r_lo - wg * 64 + 8 * h;  // (of this warpgroup's tile)
       if (r >= rows) continue;
       bf16_t* row = static_cast<bf16_t*>(out) + (size_t)(row0 + r) * n_out + c0 + 2 * (lane & 3);
       if constexpr (GATED) {
@@ -2791,7 +2820,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
 // The GEMMs on packed weights: the FP8-activation ones (A8: prefill_gemm_a8, its own layout and
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 64, bool PT8 = false,
           bool STY = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
@@ -3081,10 +3110,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e256_k8_sm_
   prefill_count_body(ids, n * 8, 256, counts);
 }
 #endif
-// prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
+// prefill: each expert's first row and the tile table (64 token rows a tile); the shared expert's tiles
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
-  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 256, 128, 1280, first, tiles, n, stiles, 128);
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r64_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
+  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 256, 64, 2304, first, tiles, n, stiles, 256);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
@@ -3093,15 +3122,15 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_
   prefill_place_body(ids, n * 8, 256, 8, counts, first, tok, slot);
 }
 #endif
-// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, 128 tokens x 64 columns a block
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn64_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
   prefill_gemm<true, 2, true, true, true, false, true>(xp, tok, w13, tiles, h, 2048, 7168, 128, 256, n, 8, 256, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0);
 }
 #endif
-// prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 128 tokens a block
+// prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn64_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
   prefill_gemm<true, 2, false, true, true, false, true>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 256);
 }
 #endif
@@ -3111,15 +3140,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i2048_k8_s
   prefill_quant_body(h, hq, sa, 2048, n * 8, hs, hsq, sas, 2048, n);
 }
 #endif
-// prefill: Y = H' Wd per expert (bf16), 128 tokens x 128 columns a block
+// prefill: Y = H' Wd per expert (bf16), two 64-row tiles x 128 columns a block
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e256_k8_h7168_i2048_bm128_bn128_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e256_k8_h7168_i2048_bm128_bn64_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
   prefill_gemm<false, 2, false, true, true, true, true>(hp, nullptr, w2, tiles, y, 7168, 2048, 448, 256, n, 8, 256, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128);
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h7168_i2048_bm128_bn128_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2, const float* __restrict__ sas, const void* __restrict__ tmaps) {
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h7168_i2048_bm128_bn64_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2, const float* __restrict__ sas, const void* __restrict__ tmaps) {
   prefill_gemm<false, 2, false, true, true, true, true>(hp, nullptr, ws2, stiles, y, 7168, 2048, 448, 1, n, 1, 0, ss2, sas, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 384);
 }
 #endif
