@@ -2679,7 +2679,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   };
 
   if (tid >= CONSUMERS) {  // the producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     const int p = tid - CONSUMERS;
     if (p == 0)  // the map (written before the launch) as the tensor copies will see it
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
@@ -2691,14 +2691,15 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       if (q.rows[0] <= 0) continue;  // past the routing's tiles
       const bool same = q.e[1] == q.e[0];
       const int u = gg::row_unit(blk.x, 4, units);  // the box's first group of the expert
-      int bsrc[BJ];  // the token row of each 16-byte piece this thread copies (-1 past a tile: zeros)
-#pragma unroll
-      for (int j = 0; j < BJ; ++j) {
-        const int r = (p + j * PT) >> 3, h = r / BN, rr = r % BN;
-        const int hr = h ? q.rows[1] : q.rows[0], h0 = h ? q.row0[1] : q.row0[0];  // (selects: no local array)
-        bsrc[j] = rr < hr ? (GATHER ? tok[h0 + rr] : h0 + rr) : -1;
-      }
+      // the token rows of the 16-byte pieces this thread copies: j < BJ / 2 the first tile's (row
+      // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), looked up each k-tile (held
+      // across the k-loop they overflow the producers' registers)
       const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
+      auto src_row = [&](int j) -> int {
+        const int rr = ((p + j * PT) >> 3) % BN, hr = j < BJ / 2 ? q.rows[0] : q.rows[1];
+        const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
+        return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
+      };
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
       const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
@@ -2714,9 +2715,10 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
                              full + s * 8);
         }
 #pragma unroll
-        for (int j = 0; j < BJ; ++j)
-          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(bsrc[j], 0) * k_dim + kt * BK,
-                     bsrc[j] >= 0);
+        for (int j = 0; j < BJ; ++j) {
+          const int row = src_row(j);
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
+        }
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
         gg::cp_async_mbar_arrive(full + s * 8);
       }
@@ -2725,7 +2727,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");  // (2 x 128 x 224 + 128 x 56: the launch's 384 x 168)
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int r_lo = wg * 64 + warp * 16 + (lane >> 2);  // this thread's token rows r_lo, r_lo + 8 of the stage
   const size_t mstride = (size_t)experts * (n_out / 128) * (k_dim / 128);  // sc: [matrix][E][n_out/128][K/128]
