@@ -79,10 +79,11 @@ class GemmTiles:
             raise ValueError(f"bn={self.bn}: a multiple of 16 in [16, 256] (wgmma's N), whole chunks per thread")
         if self.stages not in PREFILL_STAGES or self.down_stages not in (0, *PREFILL_STAGES):
             raise ValueError(f"stages={self.stages}, down_stages={self.down_stages}: 3 to 8 (down 0: as stages)")
-        if self.a8 and not (self.fp8 and self.ws and self.bm == 128 and self.bn == 64 and self.down_pair):
+        if self.a8 and not (self.fp8 and self.ws and self.bm == 128 and self.bn in (64, 128) and self.down_pair):
             raise ValueError(f"a8 with fp8={self.fp8}, ws={self.ws}, bm={self.bm}, bn={self.bn}, down_pair={self.down_pair}: "
                              "FP8 activations need FP8 block weights, the producer warpgroup, two consumer warpgroups "
-                             "(bm 128) of a 64-row tile each (bn 64) and the down GEMM on row-group pairs")
+                             "(bm 128) of a 64-row tile each (bn 64; 128: a tile's two halves) and the down GEMM on "
+                             "row-group pairs")
         if self.fp8 and not self.a8 and not (self.ws and self.bn <= 64):
             raise ValueError(f"fp8 with ws={self.ws}, bn={self.bn}: FP8 weights need the producer warpgroup and bn <= 64 "
                              "(a K block's accumulators beside the sums)")
@@ -160,9 +161,9 @@ class GemmTiles:
         weight-only: half of them; FP4 a quarter), the tokens' scales (A8: 1 KB) or the weights' row
         scales (FP4: 1 KB) and the stage's two barriers (barriers_in_pad: in the staged Y rows' padding)."""
         per_warp = units // 2 if self.fp8 and not self.a8 or self.fp8_tensor else units // 4 if self.fp4 else units
-        # (A8: two tiles' token rows, and 128 weight rows x 128 K for each tile's expert)
+        # (A8: 128 token rows, and 128 weight rows x 128 K for each of the two tiles' experts)
         weights = 2 * 128 * 128 if self.a8 else self.threads // 32 * per_warp * 512
-        return (self.bn * 128 * (2 if self.a8 else 1) + weights + (1024 if self.a8 or self.fp4 else 0)
+        return ((128 if self.a8 else self.bn) * 128 + weights + (1024 if self.a8 or self.fp4 else 0)
                 + (16 if self.ws and not barriers_in_pad else 0))
 
     @property

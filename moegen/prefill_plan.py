@@ -243,9 +243,25 @@ def _cut_at(first: int, snap: int, nmax: int) -> tuple[int, int]:
     return b, first - 1
 
 
-def max_tiles(c: Layer, tokens: int) -> int:
-    """Tiles the routing of `tokens` tokens can make: each expert's rows cut at the tile's tokens."""
-    return -(-tokens * c.k // tiles(c).packed_rows) + c.e_local
+def max_tiles(c: Layer, tokens: int, rows: int = 0) -> int:
+    """Tiles the routing of `tokens` tokens can make: each expert's rows cut at the tile's tokens
+    (or at `rows`)."""
+    return -(-tokens * c.k // (rows or tiles(c).packed_rows)) + c.e_local
+
+
+# FP8 activations: the buckets whose smallest token count gives the routed experts this many rows
+# each on average cut the tile table at 128 rows, a GEMM block's two warpgroups taking a tile's
+# halves (prefill_gemm_a8's HALVES); the others at 64, a block taking two tiles. On the H200
+# (2026-12-02, each form against the other version's GEMMs at the same N): 128-row tiles ahead from
+# 64 rows an expert (DeepSeek-V3-FP8-a8 N = 2048: 3984 against 4167 us for the pairs; Qwen3-30B-A3B-
+# FP8-a8 at 128 rows an expert, N = 2048: 367.8 against 371.4), behind at 37 (Qwen3 N = 600: 229.1
+# against 208.0) and 2 (DeepSeek-V3 N = 64: 2668 against 2392).
+A8_HALVES_ROWS = 64
+
+
+def a8_halves(c: Layer, nb: int) -> bool:
+    """Whether the prefill bucket of up to nb tokens cuts the FP8-activation GEMMs' tiles at 128 rows."""
+    return tiles(c).a8 and (nb // 2 + 1) * c.k >= A8_HALVES_ROWS * c.e_local
 
 
 def chunks(c: Layer, tokens: int) -> int:
@@ -269,17 +285,21 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
     )
 
 
-def shared_tiles(c: Layer, tokens: int) -> int:
-    """Tiles of the shared expert's GEMMs: every token, in order, cut at its tile's tokens."""
-    return -(-tokens // shared_tiles_of(c).packed_rows) if c.si else 0
+def shared_tiles(c: Layer, tokens: int, rows: int = 0) -> int:
+    """Tiles of the shared expert's GEMMs: every token, in order, cut at its tile's tokens (or at `rows`)."""
+    return -(-tokens // (rows or shared_tiles_of(c).packed_rows)) if c.si else 0
 
 
-def kernels(c: Layer) -> dict[str, Kernel]:
-    """The prefill kernels of the layer, by family."""
+def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
+    """The prefill kernels of the layer, by family (halves: the FP8-activation GEMMs and the scan of
+    the buckets that cut the tiles at 128 rows, a8_halves)."""
     from .plan import TARGETS, Kernel
 
     e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
     t, ts = tiles(c), shared_tiles_of(c)
+    layer_bn = t.bn  # (the template's default BNT)
+    if halves:
+        t, ts = replace(t, bn=2 * t.bn), replace(ts, bn=2 * ts.bn)
     warps = t.threads // 32
     ids = ("const int* __restrict__ ids", "ids", "ws.topk_ids")
     counts = ("int* __restrict__ counts", "counts", "ws.counts")
@@ -316,7 +336,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                                                                           tile.bulk_a and (gated == "true" or pair))),
                 FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn),
                 str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower()]
-        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(t.bn), "false",
+        default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(layer_bn), "false",
                    "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
@@ -385,6 +405,7 @@ def kernels(c: Layer) -> dict[str, Kernel]:
                       ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
                       "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
         "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}{'_shared' if si else ''}"
+                     + ("_halves" if halves else "")  # (its table sized for the layer's 64-row tiles)
                      + (f"_r{ts.packed_rows}" if si and ts.packed_rows != t.packed_rows else ""), GROUP_THREADS, (),
                      (counts, first, table, *((stable,) if si else ()), n),
                      ("counts", f"(n * {k} + {GROUP_THREADS - 1}) / {GROUP_THREADS}", str(e), str(t.packed_rows),
@@ -521,14 +542,17 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     """The prefill kernels' launches for calls of up to nb tokens (after the router and route)."""
     from .plan import Launch
 
-    ks = kernels(c)
+    halves = a8_halves(c, nb)
+    ks = kernels(c, halves)
     t, ts = tiles(c), shared_tiles_of(c)
+    rows_h = 2 * t.packed_rows if halves else 0  # (A8: the tiles' rows where a bucket cuts them at 128)
 
     def gemm_grid(k_dim: int, n_out: int, n_tiles: int, rows: int = t.gate_up_rows, tile: GemmTiles = t
                   ) -> tuple[int | str, int]:
         """A GEMM's grid: persistent where its k-loop is short (GemmTiles.persistent), one block a
-        multiprocessor; otherwise a block per (row block of `rows`, tile; A8 pair of tiles)."""
-        return ("sms", 1) if tile.persistent(k_dim) else (-(-n_out // rows), -(-n_tiles // 2) if tile.a8 else n_tiles)
+        multiprocessor; otherwise a block per (row block of `rows`, tile; A8 pair of 64-row tiles)."""
+        return ("sms", 1) if tile.persistent(k_dim) else (
+            -(-n_out // rows), -(-n_tiles // 2) if tile.a8 and not halves else n_tiles)
 
     first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else {} if t.fp8_tensor else
              {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
@@ -540,11 +564,12 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
 
     if t.fp8_tensor:  # (after place: the rows' tiles)
         group["quant_x"] = per_tile(c.h)
-    routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb)), t.packed_threads, t.gate_up_smem_bytes),
-              "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb), t.down_rows), t.packed_threads, t.down_smem_bytes)}
-    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb), ts.gate_up_rows, ts), ts.packed_threads,
-                                       ts.gate_up_smem_bytes),
-               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb), ts.down_rows, ts), ts.packed_threads,
+    routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb, rows_h)), t.packed_threads, t.gate_up_smem_bytes),
+              "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb, rows_h), t.down_rows), t.packed_threads,
+                            t.down_smem_bytes)}
+    shared = ({"gemm_gate_up_shared": (gemm_grid(c.h, c.si, shared_tiles(c, nb, rows_h), ts.gate_up_rows, ts),
+                                       ts.packed_threads, ts.gate_up_smem_bytes),
+               "gemm_down_shared": (gemm_grid(c.si, c.h, shared_tiles(c, nb, rows_h), ts.down_rows, ts), ts.packed_threads,
                                     ts.down_smem_bytes)}
               if c.si else {})
     experts = {**routed, **shared}

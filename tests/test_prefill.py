@@ -205,6 +205,10 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     for code in PTXAS_WARNINGS:
         assert code not in out.log, out.log
     gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    # FP8 activations: the large buckets' GEMMs too, on 128-row tiles (prefill_plan.a8_halves)
+    halves = [k for k in gemms if name.endswith("-a8") and "_bn128_" in k.name]
+    assert len(halves) == (2 if name.endswith("-a8") else 0), [k.name for k in gemms]
+    gemms = [k for k in gemms if k not in halves]
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
     assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
     assert all(k.name.count("_fp8a8") == name.endswith("-a8") for k in gemms), [k.name for k in gemms]
@@ -226,7 +230,7 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     sty = pair and tuning.get("prefill_bm", 128) == 128 and tuning.get("prefill_stage_y", not name.endswith(("fp8", "a8")))
     assert [k.name.count("_sy_") for k in gemms] == [0, int(sty)], [k.name for k in gemms]
     assert [len(k.targs) == 13 and k.targs[12] == "true" for k in gemms] == [False, sty], [k.targs for k in gemms]
-    for k in gemms:
+    for k in gemms + halves:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
         if k.min_blocks == 2:

@@ -421,7 +421,21 @@ struct TileGemv {
       const u32 sb = (u32)__cvta_generic_to_shared(sring + (i % DEPTH) * SCU);  // this chunk's scales
       uint4 av[AU], bv[NT];
 #pragma unroll
-      for (int f = 0; f < AU; ++f) av[f] = st[f * 32];
+      for (int f = 0; f < AU; ++f) {
+        // A8 (moegen.weights.pack_fp8_core): the lane's 16 bytes are row lane % 8 of the chunk's core
+        // matrix lane / 8, so ldmatrix.x4 at the lane's own slot gives the e4m3 A fragment (rows g,
+        // g + 8 at K 4t .. 4t + 3, then 16 + 4t ..), regrouped by byte into pack_fp8's words
+        if constexpr (A8) {
+          u32 q[4];
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
+                       : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3])
+                       : "r"((u32)__cvta_generic_to_shared(st + f * 32)) : "memory");
+          av[f] = make_uint4(prmt(q[0], q[1], 0x5140u), prmt(q[0], q[1], 0x7362u), prmt(q[2], q[3], 0x5140u),
+                             prmt(q[2], q[3], 0x7362u));
+        } else {
+          av[f] = st[f * 32];
+        }
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) bv[j] = st[(AU + j) * 32];
       if constexpr (FMT == MOE_W_BF16) {
@@ -1971,23 +1985,6 @@ MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
 }
-// d += A (this warp's 16 rows x 32 K of e4m3 codes, registers) * B (32 x 128 e4m3 codes, desc b): QGMMA
-MOE_DEVICE void wgmma_e4m3_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
-}
-// A lane's packed 16-byte FP8 fragment of a 16 x 32 chunk (moegen.weights.pack_fp8: word 0 holds
-// rows g, g + 8 of columns 8t, 8t + 1 as bytes (g, c0), (g + 8, c0), (g, c1), (g + 8, c1); word 1
-// columns 8t + 2, 8t + 3; words 2, 3 columns 8t + 4 .. 8t + 7) as its e4m3 wgmma A fragment
-// (registers: row g k 4t..4t+3, row g + 8 the same, row g k 16+4t.., row g + 8 the same): logical k
-// 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b (moegen.prefill.A8_ORDER; the activations'
-// codes are stored in that order).
-MOE_DEVICE uint4 e4m3_frag(uint4 q) {
-  return make_uint4(prmt(q.x, q.y, 0x6420u), prmt(q.x, q.y, 0x7531u), prmt(q.z, q.w, 0x6420u), prmt(q.z, q.w, 0x7531u));
-}
 // FP4 (F4) row scales of one chunk as bf16 pairs: (row g's in both halves, row g + 8's in both),
 // from their bytes (MX: E8M0 2^(b - 127), 0: 2^-127, a bf16 subnormal; NV: e4m3), exactly
 template <int F4>
@@ -2208,17 +2205,12 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // fp32 scales of the 128 x 128 blocks, [matrix][E][n_out/128][K/128]. Each 128-wide K block's
 // products go to their own accumulators (two k-tiles), which are then added to the sums times
 // the block's scale in fp32, as the reference scales each block: a warpgroup's 64 rows share one.
-// A8 (FP8 activations too, DeepSeek's recipe): xp holds e4m3 codes [rows][K] in A8_ORDER and xs
-// their fp32 scales [K/128][rows] (one per token and 128 channels, a K block's side by side); the A fragments are the packed
-// codes regrouped by byte (e4m3_frag) and the tensor cores multiply codes by codes (wgmma k32
-// e4m3, QGMMA). A k-tile is 128 wide, one K block: its products, times the weight block's scale
-// and each token's scale, are added to the sums in fp32. GATED then writes H in column order
-// (the quantization kernel reads it, as the reference quantizes the bf16 activation).
+// (FP8 activations, A8: prefill_gemm_a8 below.)
 // PAIR (down, MATS 2): each warp takes a whole row group, its two 16-row tiles as gate/up's two
 // matrices (the same layout a chunk), so a block covers 2 x WARPS tiles: twice the products for
 // each token row B tile read.
 // BULK (gate/up or PAIR): each warp's A run of a k-tile (A_WARP bytes, contiguous in the packed
-// layout: BF16 and A8 4 KB, FP8 weight-only 2 KB, FP4 1 KB) by one bulk copy of the copy engine,
+// layout: BF16 4 KB, FP8 weight-only 2 KB, FP4 1 KB) by one bulk copy of the copy engine,
 // instead of A_WARP / 16 cp.async of the producers.
 // F4 (MOE_W_MXFP4 or MOE_W_NVFP4; gate/up or PAIR, BULK): e2m1 codes, a lane's 16 bytes of a chunk
 // holding both matrices' (moegen.weights.pack_fp4), and per-row scales (MX: E8M0 per 32 K; NV: e4m3
@@ -2229,18 +2221,17 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // significant bits; MX scales up to 2^125, which the packer checks), and the products run as
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
-template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool PAIR = false,
           bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
           bool STY = false>
-MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
-                             const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
-                             int row_tiles, int experts, int n, int topk, int extra,
-                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
-                             const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
-                             const float* __restrict__ bias1 = nullptr) {
+MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
+                               const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
+                               int row_tiles, int experts, int n, int topk, int extra,
+                               const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
+                               const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
+                               const float* __restrict__ bias1 = nullptr) {
   static_assert(!WOI || (GATED && GATHER), "WOI: the routed experts' gate/up GEMM");
   static_assert(!BIAS || (GATHER || !GATED), "BIAS: the routed experts' GEMMs (bias0, bias1: [E][n_out] fp32)");
-  static_assert(!A8 || FP8, "FP8 activations: with FP8 block weights");
   static_assert(!PAIR || (!GATED && MATS == 2), "PAIR: the down GEMM on row groups of two tiles");
   static_assert(!BULK || GATED || PAIR, "BULK: runs of two matrices a warp");
   static_assert(F4 == 0 || ((F4 == MOE_W_MXFP4 || F4 == MOE_W_NVFP4) && BULK && !FP8 && !PT8),
@@ -2264,24 +2255,23 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
-  // a k-tile: 128 bytes of each token row (64 bf16 or 128 e4m3 K); KBT k-tiles a 128-wide K block
-  constexpr int BN = BNT, BK = A8 ? 128 : 64, KBT = A8 ? 1 : 2, S = GATED ? 4 : 4;
+  // a k-tile: 128 bytes of each token row (64 bf16 K); KBT k-tiles a 128-wide K block
+  constexpr int BN = BNT, BK = 64, KBT = 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
   static_assert(!BULK || WARPS % 4 == 0, "BULK: whole warp runs for each producer warp");
   constexpr int PT = 128;  // producer threads
   // 16-byte fragments per warp and k-tile: (chunk, [gate/up], k-step); FP8 (chunk, [gate/up]),
-  // two chunks a k-tile, or with A8 four
-  constexpr int UNITS = (TWO ? 8 : 4) / (C8 && !A8 ? 2 : F4 ? 4 : 1);
-  // A8: each stage ends with its tokens' scales (BN fp32, the stage kept 1024-byte aligned); F4 with
-  // each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
+  // two chunks a k-tile
+  constexpr int UNITS = (TWO ? 8 : 4) / (C8 ? 2 : F4 ? 4 : 1);
+  // F4: each stage ends with each warp's row scales of the k-tile's two chunks (SCW bytes a warp: MX 2 x 32, NV 2 x 64)
   constexpr int SCC = F4 == MOE_W_NVFP4 ? 64 : 32, SCW = 2 * SCC;
-  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = A8 || F4 ? 1024 : 0;
+  constexpr int B_BYTES = BN * 128, A_WARP = UNITS * 512, SC_BYTES = F4 ? 1024 : 0;
   static_assert(!F4 || 256 / 32 * SCW <= SC_BYTES, "FP4: every warp's scales in the stage");
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
                 (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
-  constexpr size_t ROW_BYTES_PER_K = A8 ? 1 : 2;
+  constexpr size_t ROW_BYTES_PER_K = 2;
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
@@ -2329,13 +2319,6 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
         bsrc[j] = static_cast<const unsigned char*>(xp) +
                   (size_t)(alive[j] ? (GATHER ? tok[row0 + r] : row0 + r) : 0) * k_dim * ROW_BYTES_PER_K + (p & 7) * 16;
       }
-      // A8: producer thread p < BN copies token row p's scale of each K block (rows past the tile: zero)
-      // (xs is [K/128][srows]: X's rows are gathered, H's in order, so a tile's scales of one K block
-      // are contiguous and its 4-byte copies share their sectors)
-      const float* ssrc = xs;
-      const bool salive = A8 && p < rows && p < BN;
-      const size_t srows = GATHER ? n : (size_t)n * topk;
-      if (A8 && salive) ssrc = xs + (GATHER ? tok[row0 + p] : row0 + p);
       // A: lane-unit q = p + j * PT of a stage is warp q / (UNITS * 32)'s unit (q / 32) % UNITS,
       // lane q % 32: gated, warp j / 2, unit pu + 4 (j % 2); down, warp j, unit pu. Its source
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
@@ -2361,8 +2344,6 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       const uint4* fbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + (pu / 2) * 64 + (pu % 2) * 32 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 +
                                        (pu % 2) * MATS * 32 + pl;
-      const uint4* qbase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 64 + pl
-                                 : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 32 + pl;
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = (int)((u32)gk % S);  // (unsigned: a mask and a shift)
         if (gk >= S) mbar_wait(empty + s * BSTEP, ((u32)gk / S - 1) & 1);
@@ -2378,21 +2359,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
               bulk_copy(base + (u32)(s * STAGE + B_BYTES + (pu + 4 * j) * A_WARP),
                             arun + (size_t)j * 4 * RUN + (size_t)kt * AK, A_WARP, full + s * BSTEP);
           }
-          if (A8 && p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt * srows, salive);
           if (F4 && p < SCT) cp_async16(st + B_BYTES + WARPS * A_WARP + p * 16, fsrc + (size_t)kt * SCW, true);
-        } else if constexpr (A8) {
-          // lane-unit j: gated, warp j / 2, unit pu + 4 (j % 2) = (chunk u / 2, matrix u % 2) of the
-          // k-tile's four chunks (a warp's run of them is contiguous: [K/32][2][32]); down, warp j,
-          // chunk pu (its row group's run: [K/32][MATS][32])
-#pragma unroll
-          for (int j = 0; j < AJ; ++j) {
-            const int wq = TWO ? j >> 1 : j, u = TWO ? pu + 4 * (j & 1) : pu;
-            const uint4* a = TWO ? qbase + (size_t)wq * kc * 64 + (size_t)kt * 256 + u * 32
-                                   : qbase + (size_t)(wq / MATS) * kc * MATS * 32 + (wq % MATS) * 32 +
-                                         ((size_t)kt * 4 + u) * MATS * 32;
-            cp_async16(st + B_BYTES + wq * A_WARP + u * 512 + pl * 16, a, true);
-          }
-          if (p < BN) cp_async4_zfill(st + B_BYTES + WARPS * A_WARP + p * 4, ssrc + kt * srows, salive);
         } else if constexpr (C8) {
 #pragma unroll
           for (int j = 0; j < AJ; ++j) {
@@ -2431,12 +2398,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     mbar_wait(full + ((u32)g % S) * BSTEP, ((u32)g / S) & 1);
     gg::fence_async_smem();  // the producers' cp.async writes, seen by the tensor cores' reads
     const u32 st = base + ((u32)g % S) * STAGE;
-    if constexpr (A8) {  // four chunks' codes, each one e4m3 fragment
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) af[a][c] = gg::e4m3_frag(gg::lds128(st + adst + (TWO ? c * 2 + a : c) * 512));
-    } else if constexpr (C8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
+    if constexpr (C8) {  // a chunk's codes (both k-steps) as its two bf16 fragments
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -2495,8 +2457,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
       const unsigned long long bd = bd0 + 2 * kk;
 #pragma unroll
       for (int a = 0; a < NACC; ++a) {
-        if constexpr (A8) gg::wgmma_e4m3_ra(d[a], cur[a][kk], bd, kk > 0);
-        else gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? !kb_first : kt > 0) || kk > 0);
+        gg::wgmma_bf16_ra(d[a], cur[a][kk], bd, (FP8 ? !kb_first : kt > 0) || kk > 0);
       }
     }
     gg::wg_commit();
@@ -2504,37 +2465,18 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
 #pragma unroll
     for (int a = 0; a < NACC; ++a) gg::fence_regs(d[a]);
     if (kt > 0) gg::mbar_arrive(empty + ((u32)(g - 1) % S) * BSTEP);  // this thread is done with it
-    // the next k-tile's fragments while this group runs (A8 gate/up: after the promotion, when the
-    // group's A registers are free: both sets beside the group's and the sums' accumulators spilled)
-    constexpr bool LATE = A8 && NACC == 2;
-    if (!LATE && kt + 1 < ktiles) frags(nxt, g + 1);
+    if (kt + 1 < ktiles) frags(nxt, g + 1);  // the next k-tile's fragments while this group runs
     if constexpr (FP8) {
       if (kt % KBT == KBT - 1) {  // the K block's last k-tile: its products, scaled, into the sums
         gg::wg_wait<0>();
 #pragma unroll
         for (int a = 0; a < NACC; ++a) gg::fence_regs(tmp[a]);
-        if constexpr (A8) {  // accumulators 4q .. 4q + 3: tokens 8q + 2 (lane % 4) (even) and + 1 (odd),
-                             // their scales from the stage (released at the next step)
 #pragma unroll
-          for (int q = 0; q < BN / 8; ++q) {
-            const float2 v = gg::lds64f(st + B_BYTES + WARPS * A_WARP + (q * 8 + 2 * (lane & 3)) * 4);
+        for (int a = 0; a < NACC; ++a)
 #pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-              const float f0 = scv[a] * v.x, f1 = scv[a] * v.y;
-#pragma unroll
-              for (int r = 0; r < 4; ++r)
-                acc[a][4 * q + r] += ((r & 1) ? f1 : f0) * tmp[a][4 * q + r];
-            }
-          }
-        } else {
-#pragma unroll
-          for (int a = 0; a < NACC; ++a)
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[a][i] += scv[a] * tmp[a][i];
-        }
+          for (int i = 0; i < BN / 2; ++i) acc[a][i] += scv[a] * tmp[a][i];
       }
     }
-    if (LATE && kt + 1 < ktiles) frags(nxt, g + 1);
   };
   int gk = 0;
   bool staged = false;  // STY: this thread's warpgroups have staged a half before
@@ -2626,13 +2568,291 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                                                             eb0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
-      prefill_store<GATED, NACC, BN, !A8, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
+      prefill_store<GATED, NACC, BN, true, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
                                                                                        out, 0, wrow, eb0, eb1);
     }
   }
   if constexpr (STY) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // this thread's copies done
     if (staged && (tid >> 7) == 0) asm volatile("bar.sync 3, 256;" ::: "memory");  // warpgroup 1's last arrival
+  }
+}
+
+// ---- FP8 activations (A8, DeepSeek's recipe): the operands swapped ----
+namespace gg {
+// d (64 tokens x 128 weight rows, fp32: this thread's 64) (+)= A (64 x 32 e4m3 codes, desc a) *
+// B (32 x 128 e4m3 codes, desc b): QGMMA with both operands from shared memory
+MOE_DEVICE void wgmma_e4m3_n128(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])      : "l"(a), "l"(b), "r"(accumulate));
+}
+// wgmma matrix descriptor of a K-major operand of 8-row x 16-byte core matrices without swizzle:
+// `lbo` bytes apart along K, `sbo` bytes apart along the rows
+MOE_DEVICE unsigned long long core_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32);
+}
+// One box of a 5-dimensional tensor map (in global memory) to shared memory at coordinates c0..c4
+// (innermost first), its bytes completing on the mbarrier
+MOE_DEVICE void tensor_copy5(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+MOE_DEVICE float ldsf(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+}  // namespace gg
+
+// The FP8-activation GEMMs (A8): the tokens are wgmma's M and the weights its N, so that both
+// operands come from shared memory and a warpgroup's k-step is one m64n128k32 QGMMA. A block takes
+// two consecutive 64-row tiles of the table (one a consumer warpgroup) and 128 weight rows: GATED,
+// 64 columns of H as gate's and up's 64 rows; otherwise (down) 128 columns of Y. Where both tiles
+// are one expert's (an expert with more than 64 rows), its weights' k-tile is copied once for both
+// warpgroups; otherwise each tile's expert's (two experts with few rows each: no products of empty
+// rows). xp holds the token rows' e4m3 codes [rows][K] in A8_ORDER and xs their fp32 scales
+// [K/128][rows] (one per token and 128 channels); w the weights' codes in the core-matrix layout
+// (moegen.weights.pack_fp8_core: per 16-row tile, or down row group of two, a 32-wide chunk and
+// matrix is four 8-row x 16-byte core matrices, K in A8_ORDER), of which one TMA box of `tmap`
+// (moegen.prefill_plan.a8_tensor_maps) lands a k-tile (128 K, one K block) of the block's four
+// tiles / row groups as [chunk][K half][group][matrix][row half][8 rows][16 bytes]: along the
+// rows, core matrices 128 bytes apart (gate/up: each group's gate rows 0-7, 8-15 then up's, so
+// that accumulator block j of a thread holds gate (j % 4 < 2) or up of the same columns), the
+// K halves 2048 bytes apart. The tokens' k-tile is 128-byte rows in the 128-byte swizzle (the
+// first tile's 64, then the second's), gathered through tok (GATHER; otherwise rows in order),
+// their scales beside. Each K block's products go to their own accumulators, two sets in turn: a
+// k-tile's group is issued before the previous one's products, times the weight block's scale and
+// each token's, are added to the sums in fp32 (as the reference scales each block). A token row's
+// products are the same whatever the other tile of its block. HALVES: the table cut at 128 rows
+// instead, a block taking one tile, its two 64-row halves (one expert: one weight box), where the
+// routed experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
+// quantization kernel reads it); otherwise Y bf16 [P][n_out].
+template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false>
+MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
+                                void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
+                                int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
+                                const void* __restrict__ tmap) {
+  constexpr int BN = 64, BK = 128, S = GATED ? 4 : 4;
+  constexpr int CONSUMERS = 256, PT = 128;
+  // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
+  // differ), the token rows' scales
+  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + 2 * W_BYTES, STAGE = SC_OFF + 1024;
+  constexpr int BJ = 2 * BN * 8 / PT;
+  static_assert(256 == CONSUMERS && BJ * PT == 2 * BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
+  const u32 base = (raw + 1023u) & ~1023u;
+  unsigned char* sbase = smem_raw + (base - raw);
+  const u32 full = base + S * STAGE, empty = full + S * 8;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s * 8, PT);
+      mbar_init(empty + s * 8, CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int ktiles = k_dim / BK;
+  // a block's weight rows: GATED four 16-row tiles (64 columns of H), otherwise four row groups
+  // of two tiles (128 columns of Y); the last block overlapping the one before where the units are
+  // not whole blocks
+  const int units = GATED ? row_tiles : row_tiles / 2;
+  constexpr int TILE = HALVES ? 2 * BN : BN;  // the table's rows a tile
+  const int rbs = (units + 3) / 4, n_tiles = (n * topk + TILE - 1) / TILE + extra;
+  const int pairs = HALVES ? n_tiles : (n_tiles + 1) / 2;
+  const int blocks = rbs * pairs;
+  const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
+  // the block's two tiles (a tile past the routing's: no rows, the first's expert); HALVES, the
+  // halves of one
+  struct Pair {
+    int e[2], row0[2], rows[2];
+  };
+  auto pair_of = [&](int pj) -> Pair {
+    Pair q;
+    if constexpr (HALVES) {
+      const int rows = tiles[pj * 3 + 2], row0 = tiles[pj * 3 + 1];
+      q.e[0] = q.e[1] = tiles[pj * 3];
+      q.rows[0] = min(rows, BN);
+      q.rows[1] = max(rows - BN, 0);
+      q.row0[0] = row0;
+      q.row0[1] = row0 + BN;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = 2 * pj + h;
+        q.rows[h] = t < n_tiles ? tiles[t * 3 + 2] : 0;
+        q.row0[h] = q.rows[h] > 0 ? tiles[t * 3 + 1] : 0;
+        q.e[h] = q.rows[h] > 0 || h == 0 ? tiles[t * 3] : q.e[0];
+      }
+    }
+    return q;
+  };
+
+  if (tid >= CONSUMERS) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int p = tid - CONSUMERS;
+    if (p == 0)  // the map (written before the launch) as the tensor copies will see it
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
+    const size_t srows = GATHER ? n : (size_t)n * topk;
+    int gk = 0;
+    for (int b = b0; b < blocks; b += grid) {
+      const int2 blk = gg::gemm_block(b, rbs, pairs, experts);  // (row block, pair of tiles)
+      const Pair q = pair_of(blk.y);
+      if (q.rows[0] <= 0) continue;  // past the routing's tiles
+      const bool same = q.e[1] == q.e[0];
+      const int u = gg::row_unit(blk.x, 4, units);  // the box's first group of the expert
+      // the token rows of the 16-byte pieces this thread copies: j < BJ / 2 the first tile's (row
+      // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), looked up each k-tile (held
+      // across the k-loop they overflow the producers' registers)
+      const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
+      auto src_row = [&](int j) -> int {
+        const int rr = ((p + j * PT) >> 3) % BN, hr = j < BJ / 2 ? q.rows[0] : q.rows[1];
+        const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
+        return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
+      };
+      const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
+      const bool salive = pr < prows;  // token row p of the stage's scales
+      const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
+      for (int kt = 0; kt < ktiles; ++kt, ++gk) {
+        const int s = (int)((u32)gk % S);
+        if (gk >= S) mbar_wait(empty + s * 8, ((u32)gk / S - 1) & 1);
+        unsigned char* st = sbase + s * STAGE;
+        if (p == 0) {
+          gg::mbar_expect_tx(full + s * 8, same ? W_BYTES : 2 * W_BYTES);
+          gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES), tmap, 0, 0, q.e[0] * units + u, 0, kt * 4, full + s * 8);
+          if (!same)
+            gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES + W_BYTES), tmap, 0, 0, q.e[1] * units + u, 0, kt * 4,
+                             full + s * 8);
+        }
+#pragma unroll
+        for (int j = 0; j < BJ; ++j) {
+          const int row = src_row(j);
+          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
+        }
+        cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
+        gg::cp_async_mbar_arrive(full + s * 8);
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");  // (2 x 128 x 224 + 128 x 56: the launch's 384 x 168)
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int r_lo = wg * 64 + warp * 16 + (lane >> 2);  // this thread's token rows r_lo, r_lo + 8 of the stage
+  const size_t mstride = (size_t)experts * (n_out / 128) * (k_dim / 128);  // sc: [matrix][E][n_out/128][K/128]
+  float acc[64], t0[64], t1[64];
+  float sw0[2], sw1[2];
+  const float* scw = sc;
+  u32 w_off = X_BYTES;  // this warpgroup's weights in the stage
+  // k-tile kt of the block (the block's stage g): its four k-steps into d, the K block's weight
+  // scales (gate's and up's; down's one) into sw
+  auto issue = [&](int kt, int g, float (&d)[64], float (&sw)[2]) {
+    mbar_wait(full + ((u32)g % S) * 8, ((u32)g / S) & 1);
+    gg::fence_async_smem();  // the producers' cp.async writes (the tokens), seen by the tensor cores' reads
+    const u32 st = base + ((u32)g % S) * STAGE;
+    sw[0] = __ldg(scw + kt);
+    sw[1] = GATED ? __ldg(scw + mstride + kt) : sw[0];
+    const unsigned long long ad = gg::smem_desc(st + wg * 64 * 128), bd = gg::core_desc(st + w_off, 2048, 128);
+    gg::wg_fence();
+    gg::fence_regs(d);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) gg::wgmma_e4m3_n128(d, ad + 2 * kk, bd + (kk * 4096 >> 4), kk > 0);
+    gg::wg_commit();
+  };
+  // the group of stage g is done: its products into the sums, then the stage released.
+  // Accumulator i: token row r_lo (+ 8 where i & 2), weight row 8 (i / 4) + 2 (lane % 4) + i % 2
+  // of the block's 128 (GATED: group i / 16, matrix (i / 8) % 2, row half (i / 4) % 2)
+  auto promote = [&](int g, float (&d)[64], const float (&sw)[2]) {
+    gg::fence_regs(d);
+    const u32 st = base + ((u32)g % S) * STAGE;
+    const float x0 = gg::ldsf(st + SC_OFF + r_lo * 4), x1 = gg::ldsf(st + SC_OFF + (r_lo + 8) * 4);
+    const float f[2][2] = { { sw[0] * x0, sw[0] * x1 }, { sw[1] * x0, sw[1] * x1 } };
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] += f[GATED ? (i >> 3) & 1 : 0][(i >> 1) & 1] * d[i];
+    gg::mbar_arrive(empty + ((u32)g % S) * 8);
+  };
+  int gk = 0;
+  for (int b = b0; b < blocks; b += grid) {
+    const int2 blk = gg::gemm_block(b, rbs, pairs, experts);
+    const Pair q = pair_of(blk.y);
+    if (q.rows[0] <= 0) continue;
+    const int e = wg ? q.e[1] : q.e[0], row0 = wg ? q.row0[1] : q.row0[0], rows = wg ? q.rows[1] : q.rows[0];  // this warpgroup's tile
+    w_off = X_BYTES + (wg == 1 && q.e[1] != q.e[0] ? W_BYTES : 0);
+    const int c0 = gg::row_unit(blk.x, 4, units) * (GATED ? 16 : 32);  // the block's first column of the output
+    scw = sc + ((size_t)e * (n_out / 128) + c0 / 128) * (k_dim / 128);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    issue(0, gk, t0, sw0);
+    for (int kt = 0; kt < ktiles; kt += 2) {
+      if (kt + 1 < ktiles) {
+        issue(kt + 1, gk + kt + 1, t1, sw1);
+        gg::wg_wait<1>();
+      } else {
+        gg::wg_wait<0>();
+      }
+      promote(gk + kt, t0, sw0);
+      if (kt + 1 < ktiles) {
+        if (kt + 2 < ktiles) {
+          issue(kt + 2, gk + kt + 2, t0, sw0);
+          gg::wg_wait<1>();
+        } else {
+          gg::wg_wait<0>();
+        }
+        promote(gk + kt + 1, t1, sw1);
+      }
+    }
+    gk += ktiles;
+    gg::fence_regs(acc);
+    // the stores: a token row's two adjacent columns a word
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // token rows r_lo, r_lo + 8
+      const int r = r_lo - wg * 64 + 8 * h;  // (of this warpgroup's tile)
+      if (r >= rows) continue;
+      bf16_t* row = static_cast<bf16_t*>(out) + (size_t)(row0 + r) * n_out + c0 + 2 * (lane & 3);
+      if constexpr (GATED) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          if (j & 2) continue;  // (up's blocks: read beside gate's)
+          const int i = 4 * j + 2 * h, col = 16 * (j >> 2) + 8 * (j & 1);
+          *reinterpret_cast<u32*>(row + col) =
+              pack_bf16x2(silu_mul<CLAMP>(acc[i], acc[i + 8]), silu_mul<CLAMP>(acc[i + 1], acc[i + 9]));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int i = 4 * j + 2 * h;
+          *reinterpret_cast<u32*>(row + 8 * j) = pack_bf16x2(acc[i], acc[i + 1]);
+        }
+      }
+    }
+  }
+}
+
+// The GEMMs on packed weights: the FP8-activation ones (A8: prefill_gemm_a8, its own layout and
+// tile) or the others (prefill_gemm_w)
+template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool STY = false>
+MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
+                             const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
+                             int row_tiles, int experts, int n, int topk, int extra,
+                             const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
+                             const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
+                             const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr) {
+  if constexpr (A8) {
+    static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
+                  "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
+    // (BNT 128: the table cut at 128 rows, a block's warpgroups taking a tile's halves)
+    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128>(
+        xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap);
+  } else {
+    prefill_gemm_w<GATED, MATS, GATHER, FP8, PAIR, BULK, F4, WOI, BIAS, BNT, PT8, STY>(
+        xp, tok, w, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, wrow, bias0, bias1);
   }
 }
 

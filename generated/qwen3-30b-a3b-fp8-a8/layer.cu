@@ -1985,6 +1985,14 @@ MOE_DEVICE void wgmma_bf16_ra(float (&d)[32], const uint4& a, unsigned long long
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
 }
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 128, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, { %64, %65, %66, %67 }, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
 // FP4 (F4) row scales of one chunk as bf16 pairs: (row g's in both halves, row g + 8's in both),
 // from their bytes (MX: E8M0 2^(b - 127), 0: 2^-127, a bf16 subnormal; NV: e4m3), exactly
 template <int F4>
@@ -2626,9 +2634,11 @@ MOE_DEVICE float ldsf(u32 addr) {
 // their scales beside. Each K block's products go to their own accumulators, two sets in turn: a
 // k-tile's group is issued before the previous one's products, times the weight block's scale and
 // each token's, are added to the sums in fp32 (as the reference scales each block). A token row's
-// products are the same whatever the other tile of its block. GATED writes H = act(gate, up) in
-// column order, bf16 (the quantization kernel reads it); otherwise Y bf16 [P][n_out].
-template <bool GATED, bool GATHER, bool CLAMP>
+// products are the same whatever the other tile of its block. HALVES: the table cut at 128 rows
+// instead, a block taking one tile, its two 64-row halves (one expert: one weight box), where the
+// routed experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
+// quantization kernel reads it); otherwise Y bf16 [P][n_out].
+template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false>
 MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
                                 void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
                                 int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
@@ -2659,21 +2669,33 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   // of two tiles (128 columns of Y); the last block overlapping the one before where the units are
   // not whole blocks
   const int units = GATED ? row_tiles : row_tiles / 2;
-  const int rbs = (units + 3) / 4, n_tiles = (n * topk + BN - 1) / BN + extra, pairs = (n_tiles + 1) / 2;
+  constexpr int TILE = HALVES ? 2 * BN : BN;  // the table's rows a tile
+  const int rbs = (units + 3) / 4, n_tiles = (n * topk + TILE - 1) / TILE + extra;
+  const int pairs = HALVES ? n_tiles : (n_tiles + 1) / 2;
   const int blocks = rbs * pairs;
   const int b0 = blockIdx.y * gridDim.x + blockIdx.x, grid = gridDim.x * gridDim.y;
-  // the block's two tiles (a tile past the routing's: no rows, the first's expert)
+  // the block's two tiles (a tile past the routing's: no rows, the first's expert); HALVES, the
+  // halves of one
   struct Pair {
     int e[2], row0[2], rows[2];
   };
   auto pair_of = [&](int pj) -> Pair {
     Pair q;
+    if constexpr (HALVES) {
+      const int rows = tiles[pj * 3 + 2], row0 = tiles[pj * 3 + 1];
+      q.e[0] = q.e[1] = tiles[pj * 3];
+      q.rows[0] = min(rows, BN);
+      q.rows[1] = max(rows - BN, 0);
+      q.row0[0] = row0;
+      q.row0[1] = row0 + BN;
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int t = 2 * pj + h;
-      q.rows[h] = t < n_tiles ? tiles[t * 3 + 2] : 0;
-      q.row0[h] = q.rows[h] > 0 ? tiles[t * 3 + 1] : 0;
-      q.e[h] = q.rows[h] > 0 || h == 0 ? tiles[t * 3] : q.e[0];
+      for (int h = 0; h < 2; ++h) {
+        const int t = 2 * pj + h;
+        q.rows[h] = t < n_tiles ? tiles[t * 3 + 2] : 0;
+        q.row0[h] = q.rows[h] > 0 ? tiles[t * 3 + 1] : 0;
+        q.e[h] = q.rows[h] > 0 || h == 0 ? tiles[t * 3] : q.e[0];
+      }
     }
     return q;
   };
@@ -2831,10 +2853,11 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
                              const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr) {
   if constexpr (A8) {
-    static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR),
+    static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
-    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT>(xp, tok, tiles, out, n_out, k_dim, row_tiles,
-                                                                     experts, n, topk, extra, sc, xs, tmap);
+    // (BNT 128: the table cut at 128 rows, a block's warpgroups taking a tile's halves)
+    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128>(
+        xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap);
   } else {
     prefill_gemm_w<GATED, MATS, GATHER, FP8, PAIR, BULK, F4, WOI, BIAS, BNT, PT8, STY>(
         xp, tok, w, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, wrow, bias0, bias1);
@@ -3101,7 +3124,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_
 }
 #endif
 // prefill: each expert's first row and the tile table (64 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r64_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 64, 2176, first, tiles);
 }
@@ -3125,13 +3148,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i768_k8_sm
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), two 64-row tiles x 128 columns a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
   prefill_gemm<false, 2, false, true, true, true, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 2048, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
 }
@@ -3140,5 +3163,23 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h2048_k8_s
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h2048_ks1_nt4_rt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<64, 4, 4, 2, 1, 128, 16384, false, 1, 1, false, 4>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+}
+#endif
+// prefill: each expert's first row and the tile table (128 token rows a tile)
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128_n16384_halves_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
+  prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 128, 2176, first, tiles);
+}
+#endif
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
+  prefill_gemm<true, 2, true, true, true, false, true, 0, false, false, 128>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0);
+}
+#endif
+// prefill: Y = H' Wd per expert (bf16), two 64-row tiles x 128 columns a block
+#if !defined(MOE_PART) || MOE_PART == 0
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn128_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
+  prefill_gemm<false, 2, false, true, true, true, true, 0, false, false, 128>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128);
 }
 #endif
