@@ -199,8 +199,10 @@ PERSISTENT_KTILES = 32  # 64-wide k-tiles up to which a GEMM with a producer war
 # FP8 activations: the column of each 32-wide chunk at logical K position L. The activations' codes
 # are stored in this order, and the weights' codes in the core-matrix layout too
 # (moegen.weights.pack_fp8_core), so that the e4m3 A fragment of lane t (K 4t .. 4t + 3 and 16 + 4t
-# .. 16 + 4t + 3, through ldmatrix) holds columns 8t .. 8t + 7, the bf16 fragments' of pack_fp8.
-A8_ORDER = tuple(8 * ((L % 16) // 4) + 4 * (L // 16) + L % 4 for L in range(32))
+# .. 16 + 4t + 3, through ldmatrix) holds columns 8t + 0, 2, 1, 3 and 8t + 4 + those: each row word's
+# bytes 0, 2 and 1, 3 (e4m3x4_to_bf16x4's pairs) are the bf16 fragments' column pairs of pack_fp8
+# (common.cuh.j2 a8_frags), the decode path's X' unchanged.
+A8_ORDER = tuple(8 * ((L % 16) // 4) + 4 * (L // 16) + (0, 2, 1, 3)[L % 4] for L in range(32))
 DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
 MAX_EXPERTS = 512  # routed experts the grouping kernels handle (shared-memory tables)
 

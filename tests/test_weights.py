@@ -401,20 +401,21 @@ def _tma_box(src: np.ndarray, dims: tuple, strides: tuple, box: tuple, at: tuple
 def test_fp8_core_layout_as_the_gemv_and_the_e4m3_wgmma_read_it(interleaved):
     """FP8 block codes with FP8 activations (pack_fp8_core), read both ways the kernels read them:
     TileGemv's lane copies the 16 bytes at its place in the chunk's 512 (as for pack_fp8), ldmatrix.x4
-    hands the fragments back and four prmt regroup them into the bf16 m16n8k16 fragments of a
+    hands the e4m3 fragment back and a8_frags converts it into the bf16 m16n8k16 fragments of a
     k-step (columns 8t + 4s .. + 3 of lane t, as pack_fp8's); and the prefill GEMMs' TMA box
-    (prefill_plan.a8_tensor_maps) lands a block's k-tile where wgmma reads A (64 rows x 32 K of matrix
-    a, k-step kk, each warpgroup's four groups) by a descriptor without swizzle (core matrices 128
-    bytes apart along the rows, WARPS x 256 bytes along K), K in A8_ORDER. Rows padded, every finite
-    code; unpack_fp8_core inverts the packing. The quantization kernel's lane l writes logical
-    positions 4l .. 4l + 3 of a 128-wide block from its columns col(l) .. col(l) + 3 in that order."""
+    (prefill_plan.a8_tensor_maps) lands a block's k-tile where wgmma reads B (the block's 128 weight
+    rows x 32 K of k-step kk: each group's matrix 0 rows, then matrix 1's) by a descriptor without
+    swizzle (core matrices 128 bytes apart along the rows, the K halves 2048 bytes apart), K in
+    A8_ORDER. Rows padded, every finite code; unpack_fp8_core inverts the packing. The quantization
+    kernel's lane l writes logical positions 4l .. 4l + 3 of a 128-wide block from its columns
+    col(l) + 0, 2, 1, 3."""
     from moegen.plan import PackedWeight
     from moegen.prefill import A8_ORDER
     from moegen.weights import pack_fp8_core, unpack_fp8_core
 
     assert sorted(A8_ORDER) == list(range(32))
     rng = np.random.default_rng()
-    e, k, warps = 2, 256, 8
+    e, k = 2, 256
     if interleaved:  # a down weight: row groups of two consecutive 16-row tiles of one source
         pw = PackedWeight("w2", ("experts.down_proj",), 2, True, e, 248, 256, k, "fp8_block", "s", True)
     else:
@@ -450,34 +451,32 @@ def test_fp8_core_layout_as_the_gemv_and_the_e4m3_wgmma_read_it(interleaved):
                     for lane in range(32):
                         g, t = lane // 4, lane % 4
                         r = regs[lane]
-                        q = (_prmt(r[0], r[1], 0x5140), _prmt(r[0], r[1], 0x7362), _prmt(r[2], r[3], 0x5140),
-                             _prmt(r[2], r[3], 0x7362))
-                        for s_ in range(2):
-                            got = [v for wd in q[2 * s_: 2 * s_ + 2] for rr in _e4m3x4_to_bf16x4(wd)
-                                   for v in _times_2_120(rr)]
+                        for s_ in range(2):  # a8_frags: (row g's lo, row g + 8's lo, row g's hi, row g + 8's hi)
+                            c0, c1 = _e4m3x4_to_bf16x4(r[2 * s_]), _e4m3x4_to_bf16x4(r[2 * s_ + 1])
+                            got = [v for rr in (c0[0], c1[0], c0[1], c1[1]) for v in _times_2_120(rr)]
                             col, rows_ = 32 * c + 8 * t + 4 * s_, (grp * 16 + g, grp * 16 + g + 8)
                             want = [ms[f][rows_[h], col + 2 * hi + j] for hi in (0, 1) for h in (0, 1) for j in (0, 1)]
                             assert np.array_equal(got, _e4m3(np.array(want, np.uint8))), (ex, grp, c, f, lane, s_)
     # the prefill GEMMs: the map over every expert's groups (prefill_plan.a8_tensor_maps), one box a k-tile
-    dims, strides, box = (64, e * groups, 2, 2, kc), (kc * 2 * 512, 256, 512, 2 * 512), (64, warps, 2, 2, 4)
+    dims, strides, box = (64, 2, e * groups, 2, kc), (512, kc * 2 * 512, 256, 2 * 512), (64, 2, 4, 2, 4)
     src = packed.reshape(-1)
     for ex in range(e):
         ms = [matrix(ex, a) for a in range(mats)]
-        for g0 in (0, groups - warps):  # a block's first group (the last block overlapping the one before)
+        for g0 in (0, groups - 4):  # a block's first group (the last block overlapping the one before)
             for kt in range(k // 128):
-                smem = _tma_box(src, dims, strides, box, (0, ex * groups + g0, 0, 0, kt * 4))
-                for wg in range(warps // 4):
+                smem = _tma_box(src, dims, strides, box, (0, 0, ex * groups + g0, 0, kt * 4))
+                for kk in range(4):  # grouped_gemm.cu.j2 prefill_gemm_a8: core_desc(w, 2048, 128) + kk * 4096
+                    lbo, sbo = 2048, 128
+                    n, kx = np.meshgrid(range(128), range(32), indexing="ij")
+                    got = smem[kk * 4096 + (n // 8) * sbo + (kx // 16) * lbo + (n % 8) * 16 + kx % 16]
+                    # N row n: group n / 32, matrix (n / 16) % 2, row n % 16 of it
                     for a in range(mats):
-                        for kk in range(4):  # grouped_gemm.cu.j2 a8_issue: a_wg + (kk * 2 + a) * 2 * A8_KH
-                            lbo, sbo = warps * 256, 128
-                            start = wg * 4 * 256 + (kk * 2 + a) * 2 * lbo
-                            m, kx = np.meshgrid(range(64), range(32), indexing="ij")
-                            got = smem[start + (m // 8) * sbo + (kx // 16) * lbo + (m % 8) * 16 + kx % 16]
-                            want = ms[a][(g0 + 4 * wg) * 16 + m, kt * 128 + kk * 32 + np.array(A8_ORDER)[kx]]
-                            assert np.array_equal(got, want), (ex, g0, kt, wg, a, kk)
-    for lane in range(32):  # prefill_quant_rows: col = (l / 8) * 32 + 8 (l % 4) + 4 ((l / 4) % 2)
+                        sel = (n // 16) % 2 == a
+                        want = ms[a][(g0 + n // 32) * 16 + n % 16, kt * 128 + kk * 32 + np.array(A8_ORDER)[kx]]
+                        assert np.array_equal(got[sel], want[sel]), (ex, g0, kt, kk, a)
+    for lane in range(32):  # prefill_quant_rows: col = (l / 8) * 32 + 8 (l % 4) + 4 ((l / 4) % 2), bytes 0, 2, 1, 3
         col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1)
-        assert [col + b for b in range(4)] == [32 * (lane // 8) + A8_ORDER[(4 * lane + b) % 32] for b in range(4)]
+        assert [col + b for b in (0, 2, 1, 3)] == [32 * (lane // 8) + A8_ORDER[(4 * lane + b) % 32] for b in range(4)]
 
 
 def test_fp8_tensor_scales_where_the_kernels_read_them():

@@ -275,6 +275,17 @@ MOE_DEVICE void e4m3x16_to_bf16(uint4 q, uint4& k0, uint4& k1) {
   k1 = make_uint4(c.x, c.y, d.x, d.y);
 }
 
+// The e4m3 A fragment of a lane (ldmatrix.x4 of the core-matrix layout: rows g, g + 8 at K
+// positions 4t .. 4t + 3, then 16 + 4t ..) as the bf16 A fragments of its two m16n8k16 k-steps:
+// e4m3x4_to_bf16x4 pairs bytes 0, 2 and 1, 3 of a row's word, which A8_ORDER gives columns 8t, 8t + 1
+// and 8t + 2, 8t + 3 (k-step 1: 8t + 4 ..), as pack_fp8's fragments hold them: X' the same.
+MOE_DEVICE void a8_frags(uint4 q, uint4& k0, uint4& k1) {
+  const uint2 a = e4m3x4_to_bf16x4(q.x), b = e4m3x4_to_bf16x4(q.y);
+  const uint2 c = e4m3x4_to_bf16x4(q.z), d = e4m3x4_to_bf16x4(q.w);
+  k0 = make_uint4(a.x, b.x, a.y, b.y);
+  k1 = make_uint4(c.x, d.x, c.y, d.y);
+}
+
 // Two bf16 activations (low half first) quantized by a scale: e4m3(x / s) with round-to-nearest-
 // even, saturating at +-448, as two code bytes (the low half's in the low byte), or (quant_e4m3x2)
 // as two bf16 holding their e4m3 values exactly.
@@ -423,15 +434,15 @@ struct TileGemv {
 #pragma unroll
       for (int f = 0; f < AU; ++f) {
         // A8 (moegen.weights.pack_fp8_core): the lane's 16 bytes are row lane % 8 of the chunk's core
-        // matrix lane / 8, so ldmatrix.x4 at the lane's own slot gives the e4m3 A fragment (rows g,
-        // g + 8 at K 4t .. 4t + 3, then 16 + 4t ..), regrouped by byte into pack_fp8's words
+        // matrix lane / 8, so ldmatrix.x4 at the lane's own slot gives the e4m3 A fragment: rows g,
+        // g + 8 at K positions 4t .. 4t + 3, then 16 + 4t .. (columns 8t + 0, 2, 1, 3 and 8t + 4 +
+        // those: A8_ORDER), which a8_frags turns into the two bf16 A fragments
         if constexpr (A8) {
           u32 q[4];
           asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
                        : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3])
                        : "r"((u32)__cvta_generic_to_shared(st + f * 32)) : "memory");
-          av[f] = make_uint4(prmt(q[0], q[1], 0x5140u), prmt(q[0], q[1], 0x7362u), prmt(q[2], q[3], 0x5140u),
-                             prmt(q[2], q[3], 0x7362u));
+          av[f] = make_uint4(q[0], q[1], q[2], q[3]);
         } else {
           av[f] = st[f * 32];
         }
@@ -506,7 +517,11 @@ struct TileGemv {
 #pragma unroll
         for (int mt = 0; mt < MATS; ++mt) {
           uint4 k0, k1;
-          e4m3x16_to_bf16(av[mt], k0, k1);
+          if constexpr (A8) {
+            a8_frags(av[mt], k0, k1);
+          } else {
+            e4m3x16_to_bf16(av[mt], k0, k1);
+          }
           const float sc = lds_f32(sb + 4 * mt);
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
@@ -3015,7 +3030,7 @@ MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict
 // scales [k / 128][rows]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
 // decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided; lane
 // l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
-// + 0..3 of it (logical 4t + b is column 8t + b, 16 + 4t + b column 8t + 4 + b).
+// + 0, 2, 1, 3 of it (logical 4t + b is column 8t + (0, 2, 1, 3)[b], 16 + 4t + b column 8t + 4 + the same).
 MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
                                    int k, int rows, int first_warp, int warps) {
   const int lane = threadIdx.x & 31, kb_count = k / 128;
@@ -3024,7 +3039,9 @@ MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char
     const int row = w / kb_count, kb = w % kb_count;
     const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
     const float sc = group_scale_e4m3(v);
-    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16);
+    // (bytes: columns col, col + 2, col + 1, col + 3)
+    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) =
+        prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
     if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
   }
 }
