@@ -4,7 +4,7 @@
 // E=384 routed experts, top-8, H=7168, I=2048, shared expert I=2048.
 // Routing: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 88080384 bytes.
-// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 1024 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -3900,7 +3900,9 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   constexpr int CONSUMERS = 256, PT = 128;
   // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
   // differ), the token rows' scales
-  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + 2 * W_BYTES, STAGE = SC_OFF + 1024;
+  // (HALVES: one expert a block, one weight box)
+  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + (HALVES ? 1 : 2) * W_BYTES;
+  constexpr u32 STAGE = SC_OFF + 1024;
   constexpr int BJ = 2 * BN * 8 / PT;
   static_assert(256 == CONSUMERS && BJ * PT == 2 * BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
   extern __shared__ unsigned char smem_raw[];
@@ -3969,12 +3971,16 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       // the token rows of the 16-byte pieces this thread copies: j < BJ / 2 the first tile's (row
       // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), looked up each k-tile (held
       // across the k-loop they overflow the producers' registers)
+      // (HALVES: the tile's 128 rows in order, their token rows held for the k-loop)
       const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
       auto src_row = [&](int j) -> int {
         const int rr = ((p + j * PT) >> 3) % BN, hr = j < BJ / 2 ? q.rows[0] : q.rows[1];
         const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
         return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
       };
+      int held[BJ];
+#pragma unroll
+      for (int j = 0; j < BJ; ++j) held[j] = src_row(j);
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
       const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
@@ -3991,7 +3997,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
         }
 #pragma unroll
         for (int j = 0; j < BJ; ++j) {
-          const int row = src_row(j);
+          const int row = held[j];
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
         }
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
@@ -4318,10 +4324,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; one token per warp, the last block groups the tokens by expert up to N = 512
+// route: sigmoid over 384 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize -> x2.827; one token per warp, the last block groups the tokens by expert up to N = 256
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n16384_g512_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<384, 384, 8, 1, 16384, false, 256, 512>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e384_k8_sigmoid_scores_cbias_renorm_x2p827_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<384, 384, 8, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // one token in one launch: router (24 tiles x 7 parts), route in every block, gate/up (8 x 128 + 128 tiles), down by columns streamed behind them, partial sums a block; tagged words
@@ -4337,7 +4343,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r384_h7168_ks7_nt1_
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e384_h7168_i2048_nt1_bf16_si2048_nts1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<224, 1, 1, 4, 4, 4, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 384>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -4390,20 +4396,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e384_h7168_i2048_k8_n
   down_body<64, 64, 2, 4, 4, 4, 3, 2, 224, 7168, 8, false, MOE_W_BF16, MOE_W_BF16, 384, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e384_h7168_i2048_nt3_bf16_si2048_nts4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<224, 3, 4, 4, 3, 3, 128, 128, 2048, 2048, MOE_W_BF16, MOE_W_BF16, 384>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
-}
-#endif
-// down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_down_e384_h7168_i2048_k8_nt3_bf16_si2048_nts4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<64, 64, 3, 4, 4, 3, 3, 2, 224, 7168, 8, false, MOE_W_BF16, MOE_W_BF16, 384, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
-}
-#endif
 // router: 384 rows x 7168, K split 1 ways, 32 tokens per pass, 4 row tiles a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_router_r384_h7168_ks1_nt4_rt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   router_logits_body<224, 4, 4, 2, 1, 384, 16384, false, 1, 1, false, 4>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -4415,7 +4409,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h7168_sm_9
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e384_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
   prefill_count_body(ids, n * 8, 384, counts);
 }
@@ -4457,7 +4451,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h7168_
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h7168_k8_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
   prefill_combine_body(y, slot, wts, x, out, 7168, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
 }

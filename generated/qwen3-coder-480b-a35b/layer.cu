@@ -4,7 +4,7 @@
 // E=160 routed experts, top-8, H=6144, I=2560.
 // Routing: softmax over 160 experts (fp32 logits) -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 94371840 bytes.
-// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 512 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -2654,7 +2654,9 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   constexpr int CONSUMERS = 256, PT = 128;
   // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
   // differ), the token rows' scales
-  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + 2 * W_BYTES, STAGE = SC_OFF + 1024;
+  // (HALVES: one expert a block, one weight box)
+  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + (HALVES ? 1 : 2) * W_BYTES;
+  constexpr u32 STAGE = SC_OFF + 1024;
   constexpr int BJ = 2 * BN * 8 / PT;
   static_assert(256 == CONSUMERS && BJ * PT == 2 * BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
   extern __shared__ unsigned char smem_raw[];
@@ -2723,12 +2725,16 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       // the token rows of the 16-byte pieces this thread copies: j < BJ / 2 the first tile's (row
       // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), looked up each k-tile (held
       // across the k-loop they overflow the producers' registers)
+      // (HALVES: the tile's 128 rows in order, their token rows held for the k-loop)
       const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
       auto src_row = [&](int j) -> int {
         const int rr = ((p + j * PT) >> 3) % BN, hr = j < BJ / 2 ? q.rows[0] : q.rows[1];
         const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
         return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
       };
+      int held[BJ];
+#pragma unroll
+      for (int j = 0; j < BJ; ++j) held[j] = src_row(j);
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
       const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
@@ -2745,7 +2751,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
         }
 #pragma unroll
         for (int j = 0; j < BJ; ++j) {
-          const int row = src_row(j);
+          const int row = held[j];
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
         }
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
@@ -3072,10 +3078,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
-// route: softmax over 160 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 256
+// route: softmax over 160 experts (fp32 logits) -> top-8 -> renormalize; one token per warp, the last block groups the tokens by expert up to N = 128
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(256) moe_route_e160_k8_softmax_scores_renorm_fp32_n16384_g256_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  route_kernel_body<160, 160, 8, 1, 16384, false, 256, 256>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
+extern "C" __global__ void __launch_bounds__(256) moe_route_e160_k8_softmax_scores_renorm_fp32_n16384_g128_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  route_kernel_body<160, 160, 8, 1, 16384, false, 256, 128>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
 // router: 160 rows x 6144, K split 16 ways, 8 tokens per pass; the last block routes
@@ -3085,7 +3091,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h6144_ks16_nt1
 }
 #endif
 // gate/up + silu_gated: expert slots x 160 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h6144_i2560_nt1_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 1, 1, 4, 4, 4, 160, 0, 2560, 1, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3103,7 +3109,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r160_h6144_ks16_nt4
 }
 #endif
 // gate/up + silu_gated: expert slots x 160 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h6144_i2560_nt2_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
   gate_up_body<192, 2, 2, 4, 4, 4, 160, 0, 2560, 1, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
 }
@@ -3112,18 +3118,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h6144_i2560_n
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h6144_i2560_k8_nt2_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
   down_body<80, 0, 2, 2, 4, 4, 4, 2, 192, 6144, 8, false, MOE_W_BF16, MOE_W_BF16, 160, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
-}
-#endif
-// gate/up + silu_gated: expert slots x 160 tiles
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e160_h6144_i2560_nt4_bf16_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n) {
-  gate_up_body<192, 4, 4, 4, 3, 3, 160, 0, 2560, 1, MOE_W_BF16, MOE_W_BF16, 160>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n);
-}
-#endif
-// down: expert slots x 384 tiles of 2560; the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(128) moe_down_e160_h6144_i2560_k8_nt4_bf16_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n) {
-  down_body<80, 0, 4, 4, 4, 3, 3, 2, 192, 6144, 8, false, MOE_W_BF16, MOE_W_BF16, 160, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
 // router: 160 rows x 6144, K split 1 ways, 32 tokens per pass, 2 row tiles a block
@@ -3145,7 +3139,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e160_k8_sm_
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e160_k8_r128_n16384_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 160, 128, 1184, first, tiles);
 }
@@ -3169,7 +3163,7 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e160_k8_h6144
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h6144_k8_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out) {
   prefill_combine_body(y, slot, wts, x, out, 6144, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4);
 }
