@@ -252,7 +252,7 @@ def max_tiles(c: Layer, tokens: int, rows: int = 0) -> int:
 # FP8 activations: the buckets whose smallest token count gives the routed experts this many rows
 # each on average cut the tile table at 128 rows, a GEMM block's two warpgroups taking a tile's
 # halves (prefill_gemm_a8's HALVES); the others at 64, a block taking two tiles. On the H200
-# (2026-12-02, each form against the other version's GEMMs at the same N): 128-row tiles ahead from
+# (2026-12-02, the two forms first built as separate versions, at the same N): 128-row tiles ahead from
 # 64 rows an expert (DeepSeek-V3-FP8-a8 N = 2048: 3984 against 4167 us for the pairs; Qwen3-30B-A3B-
 # FP8-a8 at 128 rows an expert, N = 2048: 367.8 against 371.4), behind at 37 (Qwen3 N = 600: 229.1
 # against 208.0) and 2 (DeepSeek-V3 N = 64: 2668 against 2392).

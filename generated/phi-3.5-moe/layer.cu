@@ -2654,7 +2654,9 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   constexpr int CONSUMERS = 256, PT = 128;
   // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
   // differ), the token rows' scales
-  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + 2 * W_BYTES, STAGE = SC_OFF + 1024;
+  // (HALVES: one expert a block, one weight box)
+  constexpr u32 X_BYTES = 2 * BN * BK, W_BYTES = 128 * BK, SC_OFF = X_BYTES + (HALVES ? 1 : 2) * W_BYTES;
+  constexpr u32 STAGE = SC_OFF + 1024;
   constexpr int BJ = 2 * BN * 8 / PT;
   static_assert(256 == CONSUMERS && BJ * PT == 2 * BN * 8 && STAGE % 1024 == 0 && S >= 2, "A8 tile shape");
   extern __shared__ unsigned char smem_raw[];
@@ -2721,14 +2723,18 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       const bool same = q.e[1] == q.e[0];
       const int u = gg::row_unit(blk.x, 4, units);  // the box's first group of the expert
       // the token rows of the 16-byte pieces this thread copies: j < BJ / 2 the first tile's (row
-      // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), looked up each k-tile (held
-      // across the k-loop they overflow the producers' registers)
+      // p / 8 + 16 j), the rest the second's (-1 past a tile: zeros), held for the k-loop as row
+      // indices (as pointers they overflow the producers' 56 registers; looked up each k-tile they
+      // cost the halves 6-8% at N = 8192 on the H200)
       const unsigned char* xcol = static_cast<const unsigned char*>(xp) + (p & 7) * 16;
       auto src_row = [&](int j) -> int {
         const int rr = ((p + j * PT) >> 3) % BN, hr = j < BJ / 2 ? q.rows[0] : q.rows[1];
         const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
         return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
       };
+      int held[BJ];
+#pragma unroll
+      for (int j = 0; j < BJ; ++j) held[j] = src_row(j);
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
       const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
@@ -2745,7 +2751,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
         }
 #pragma unroll
         for (int j = 0; j < BJ; ++j) {
-          const int row = src_row(j);
+          const int row = held[j];
           cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
         }
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
