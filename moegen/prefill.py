@@ -48,9 +48,10 @@ class GemmTiles:
     # token and 128 channels, multiplied on the tensor cores as codes (wgmma e4m3, k-tiles 128 wide,
     # each a K block), the scales in each stage. The operands swapped (prefill_gemm_a8): the tokens
     # are wgmma's M (a 64-row tile a consumer warpgroup, two consecutive tiles a block: bm 128, bn
-    # 64) and a block's 128 weight rows its N (gate/up: 64 columns of H; down: 128 of Y, with
-    # down_pair), both from shared memory, the weights in the core-matrix layout
-    # (moegen.weights.pack_fp8_core) by a TMA box a k-tile and expert
+    # 64; in the large buckets a 128-row tile's halves, bn 128: prefill_plan.a8_halves) and a
+    # block's 128 weight rows its N (gate/up: 64 columns of H; down: 128 of Y, with down_pair),
+    # both from shared memory, the weights in the core-matrix layout (moegen.weights.pack_fp8_core)
+    # by a TMA box a k-tile and expert
     a8: bool = False
     # The down GEMMs on whole row groups of two tiles (down_tiles 2, with the producer warpgroup):
     # each warp holds both tiles' accumulators, as gate/up holds gate's and up's (the same ring).

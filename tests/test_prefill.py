@@ -265,6 +265,40 @@ def test_fp8_prefill_takes_block_scaled_layers():
         assert make_plan(spec, tuning=Tuning(**tune)).prefill_from == 0
 
 
+@pytest.mark.parametrize("name,first", [("deepseek-v3-fp8-a8", 4096), ("qwen3-30b-a3b-fp8-a8", 2048)])
+def test_fp8_activation_buckets_cut_their_tiles_at_128_rows_from_64_rows_an_expert(name, first):
+    """The FP8-activation GEMMs take 128-row tiles (a block's two warpgroups a tile's halves) in the
+    buckets whose smallest token count gives the routed experts 64 rows each on average, and pairs
+    of 64-row tiles below: the scan, the GEMM kernels and their grids follow the bucket (the first
+    such bucket as measured for the README: DeepSeek-V3 4096, Qwen3-30B-A3B 2048)."""
+    from pathlib import Path
+
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    e, k = plan.local_experts, plan.top_k
+    lo = 0
+    seen = []
+    for b in plan.buckets:
+        smallest, lo = lo + 1, b.max_tokens
+        if b.max_tokens < plan.prefill_from:
+            continue
+        halves = smallest * k >= 64 * e
+        seen.append((b.max_tokens, halves))
+        by = {l.kernel.split("_e")[0]: l for l in b.launches}
+        scan = by["moe_prefill_scan"].kernel
+        assert scan.endswith("_halves_" + plan.arch) == halves and (f"_r{128 if halves else 64}_" in scan), scan
+        for fam in ("moe_prefill_gate_up", "moe_prefill_down"):
+            gemm = by[fam]
+            assert (f"_bn{128 if halves else 64}_" in gemm.kernel), gemm.kernel
+            if gemm.grid[0] != "sms":  # a block per (row block, tile; a pair of 64-row tiles)
+                tiles = -(-b.max_tokens * k // (128 if halves else 64)) + e
+                assert gemm.grid[1] == (tiles if halves else -(-tiles // 2)), (gemm.kernel, gemm.grid)
+    assert [m for m, h in seen if h][0] == first and all(h == (m >= first) for m, h in seen), seen
+
+
 def _compiles_clean(spec, plan, kernels) -> None:
     """The layer compiles without ptxas's warnings (C7508: setmaxnreg ignored; C7513, C7514: wgmmas
     serialized), and these kernels without spills or a stack frame."""
