@@ -36,6 +36,20 @@ def cache(module_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return module_cache
 
 
+@pytest.fixture
+def site_nvrtc():
+    """NVRTC as a fresh `moegen build` loads it, from site-packages; skips where this process loaded
+    it through another library first (PyTorch, imported by an earlier test, loads the same
+    libnvrtc): cuda.pathfinder then reports it as loaded elsewhere, and a build keeps no stamp, by
+    design (moegen.uptodate.inputs_now)."""
+    from cuda import pathfinder
+
+    lib = pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    if lib.found_via != "site-packages":
+        pytest.skip(f"NVRTC in this process was found via {lib.found_via!r}, not site-packages: no stamps")
+    return lib
+
+
 def one_error(err: str) -> str:
     """The error line; fails unless stderr holds exactly one `moegen: error:` line, first, and no traceback."""
     lines = err.splitlines()
@@ -68,7 +82,7 @@ def test_arch_sm90a_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert (tmp_path / "qwen3-30b-a3b" / CUDA_FILE).is_file()
 
 
-def test_second_build_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_second_build_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str], site_nvrtc):
     main(["build", str(QWEN), "--out", str(tmp_path)])
     capsys.readouterr()
     assert main(["build", str(QWEN), "--out", str(tmp_path)]) == 0
@@ -91,7 +105,7 @@ def _up_to_date(spec: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> bo
 
 
 def test_a_build_is_up_to_date_only_while_its_inputs_and_outputs_are_unchanged(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], site_nvrtc):
     spec, out = tmp_path / "olmoe-1b-7b.yaml", tmp_path / "gen"
     spec.write_text(OLMOE.read_text())
     assert not _up_to_date(spec, out, capsys)
@@ -120,12 +134,12 @@ def test_a_build_is_up_to_date_only_while_its_inputs_and_outputs_are_unchanged(
 
 
 def test_no_stamp_where_nvrtc_is_not_the_site_packages_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]):
+                                                           capsys: pytest.CaptureFixture[str], site_nvrtc):
     from types import SimpleNamespace
 
     from cuda import pathfinder
 
-    real = pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    real = site_nvrtc
     assert _up_to_date(OLMOE, tmp_path, capsys) is False
     assert _up_to_date(OLMOE, tmp_path, capsys) is True
     # found elsewhere (a system CUDA, which another NVRTC installed later would go ahead of): no stamp
