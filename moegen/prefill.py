@@ -213,12 +213,13 @@ SILU = (("int", "KIND", "MOE_ACT_SILU"), ("float", "LIMIT", "0.0f"), ("float", "
 
 
 def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ...] = DOWN_MATS,
-                 other_bn: int = 0) -> dict:
+                 other_bn: int = 0, a8: bool | None = None) -> dict:
     """The arguments of templates/grouped_gemm.cu.j2 for tile shape t: standalone adds the extern
     kernels of this module (the plain GEMM, gate/up and down for each of down_mats, grouping,
     combine, permute); a layer's source calls the device functions from its own kernels.
     other_bn: a second tile width (tokens) some GEMMs take (the shared expert's FP8 block tile
-    beside FP4 routed experts), whose register-A wgmma wrappers are rendered too."""
+    beside FP4 routed experts), whose register-A wgmma wrappers are rendered too. a8: whether some
+    GEMM takes FP8 activations (default t's), where the FP8-activation GEMM is rendered."""
     def shape(bn: int) -> dict:
         return {"bn": bn, "acc_regs": ", ".join(f"%{i}" for i in range(bn // 2)),
                 "acc_constraints": ", ".join(f'"+f"(d[{i}])' for i in range(bn // 2))}
@@ -226,7 +227,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
     return {
         "shapes": [shape(b) for b in dict.fromkeys((t.bn, other_bn)) if b],
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
-        "down_stages": t.dstages,
+        "down_stages": t.dstages, "a8": t.a8 if a8 is None else a8,
         "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
         "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",

@@ -58,7 +58,8 @@ def render_cuda(spec: Spec, plan: Plan) -> str:
 
         w2 = next(w for w in plan.weights if w.name == "w2")
         t = GemmTiles(*plan.prefill_tiles)
-        g = grouped_args(t, standalone=False, down_mats=(w2.mats,), other_bn=other_bn(plan.kernels, t.bn))
+        a8 = any(k.family.startswith("prefill_gemm") and k.targs[4:5] == ("true",) for k in plan.kernels)
+        g = grouped_args(t, standalone=False, down_mats=(w2.mats,), other_bn=other_bn(plan.kernels, t.bn), a8=a8)
     return env().get_template("layer.cu.j2").render(
         spec=spec, plan=plan, version=__version__, spec_digest=spec.digest(), g=g,
         single=any(k.family == "single" for k in plan.kernels),  # the one-token kernel's template, where used
