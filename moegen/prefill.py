@@ -282,14 +282,31 @@ def group_by_expert(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarr
     return tok, slot.astype(np.int32), np.bincount(flat, minlength=experts)
 
 
+TILE_INTS = 8  # int32 a tile table's entry (32 bytes)
+
+
 def tile_table(counts: np.ndarray, bm: int) -> np.ndarray:
-    """[tiles, 3] int32 (expert, first permuted row, rows): each expert's rows in BM-row tiles."""
+    """[tiles, 8] int32 (expert, first permuted row, rows, group word, group's first row, rows of
+    the group's last tile, 0, 0): each expert's rows in BM-row tiles, as the device scan writes
+    them. A tile's group (the word: its first tile + its tiles << 16) orders the GEMMs' blocks
+    (gemm_tile: a group's tiles side by side, one weight row block after another): an expert's
+    tiles, cut into parts of equal size (the first ones a tile more) where it has more than two
+    over the experts' average."""
     import numpy as np
-    rows, start = [], 0
-    for e, c in enumerate(np.asarray(counts, np.int64)):
-        rows += [(e, start + r, min(bm, int(c) - r)) for r in range(0, int(c), bm)]
+    counts = np.asarray(counts, np.int64)
+    ntiles = [-(-int(c) // bm) for c in counts]
+    gmax = -(-sum(ntiles) // max(len(counts), 1)) + 2
+    rows, start, tile = [], 0, 0
+    for e, (c, n) in enumerate(zip(counts, ntiles)):
+        parts = -(-n // gmax)
+        sizes = [n // parts + (j < n % parts) for j in range(parts)]
+        groups = [(sum(sizes[:j]), size) for j, size in enumerate(sizes) for _ in range(size)]
+        rows += [(e, start + r * bm, min(bm, int(c) - r * bm), (tile + g0) | size << 16,
+                  start + g0 * bm, int(c) - (g0 + size - 1) * bm if g0 + size == n else bm, 0, 0)
+                 for r, (g0, size) in enumerate(groups)]
         start += int(c)
-    return np.array(rows, np.int32).reshape(-1, 3)
+        tile += n
+    return np.array(rows, np.int32).reshape(-1, TILE_INTS)
 
 
 def _load(tiles: GemmTiles, arch: str, device: object) -> tuple[object, object]:
@@ -312,7 +329,7 @@ def _sms(device: object) -> int:
 class GroupedGemm:
     """One compiled grouped-GEMM kernel on a device: y[p, :] = x[tok[p], :] @ w[e].T for the
     rows p of each tile (expert e). Pointers are raw device addresses (bf16 x [T, K], int32 tok
-    [P], bf16 w [E, n_out, K], int32 tiles [n_tiles, 3], bf16 y [P, n_out]); n_out % bn == 0 and
+    [P], bf16 w [E, n_out, K], int32 tiles [n_tiles, 4] (tile_table), bf16 y [P, n_out]); n_out % bn == 0 and
     K % 64 == 0."""
 
     def __init__(self, tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
@@ -435,7 +452,7 @@ class PrefillExperts:
         p = n * self.k
         chunks = -(-p // 1024)
         return {"xp": ((n, self.h), "bfloat16"), "counts": ((chunks * self.e,), "int32"),
-                "first": ((self.e + 1,), "int32"), "tiles": ((self.max_tiles(n) * 3,), "int32"),
+                "first": ((self.e + 1,), "int32"), "tiles": ((self.max_tiles(n) * TILE_INTS,), "int32"),
                 "tok": ((p,), "int32"), "slot": ((p,), "int32"), "h": ((p, self.i), "bfloat16"),
                 "y": ((p, self.h), "bfloat16")}
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .families import FP4_FORMATS, QUANT_THREADS, quant_blocks
-from .prefill import DOWN_MATS, MAX_EXPERTS, GemmTiles
+from .prefill import DOWN_MATS, MAX_EXPERTS, TILE_INTS, GemmTiles
 
 if TYPE_CHECKING:
     from .families import Layer
@@ -185,6 +185,8 @@ def unsupported(c: Layer) -> str:
         (not ws and ((c.i // 16) % w or (c.h // 16) % w),
          f"widths not whole blocks of {w} 16-row tiles without the producer warpgroup"),
         (c.tune.down_tiles not in DOWN_MATS, f"down_tiles={c.tune.down_tiles}"),
+        # (a tile table's group word holds a tile index in 16 bits)
+        (max_tiles(c, c.nmax) >= 1 << 16, f"{max_tiles(c, c.nmax)} tiles at max_tokens={c.nmax} (at most 65535)"),
         (max(tiles(c).gate_up_smem_bytes, tiles(c).down_smem_bytes, ts.gate_up_smem_bytes, ts.down_smem_bytes)
          > TARGETS[c.spec.arch].smem_per_block,
          f"the GEMMs' rings of {tiles(c).stages} / {tiles(c).dstages} stages exceed a block's shared memory"),
@@ -280,8 +282,8 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
         Buffer("xp", "uint16", ((n * c.k if tiles(c).fp8_tensor else n), c.h) if on and not tiles(c).a8 else (1,)),
         Buffer("counts", "int32", (chunks(c, n) * c.e_local,) if on else (1,)),
         Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
-        Buffer("tiles", "int32", (max_tiles(c, n) * 3,) if on else (1,)),
-        Buffer("stiles", "int32", (shared_tiles(c, n) * 3,) if on and c.si else (1,)),
+        Buffer("tiles", "int32", (max_tiles(c, n) * TILE_INTS,) if on else (1,)),
+        Buffer("stiles", "int32", (shared_tiles(c, n) * TILE_INTS,) if on and c.si else (1,)),
     )
 
 

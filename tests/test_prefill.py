@@ -55,9 +55,31 @@ def test_grouping_is_a_stable_sort_by_expert():
 def test_tile_table_covers_each_expert_in_bm_row_tiles():
     counts = np.array([0, 5, 128, 129, 300])
     t = tile_table(counts, 128)
-    assert t.tolist() == [[1, 0, 5], [2, 5, 128], [3, 133, 128], [3, 261, 1],
-                          [4, 262, 128], [4, 390, 128], [4, 518, 44]]
-    assert tile_table(np.zeros(3, int), 64).shape == (0, 3)
+    assert t[:, :3].tolist() == [[1, 0, 5], [2, 5, 128], [3, 133, 128], [3, 261, 1],
+                                 [4, 262, 128], [4, 390, 128], [4, 518, 44]]
+    assert tile_table(np.zeros(3, int), 64).shape == (0, 8)
+
+
+def test_tile_groups_are_an_experts_tiles_cut_in_equal_parts_past_two_over_the_average():
+    """The group word (first tile | tiles << 16): here 7 tiles over 5 experts, at most 2 + 2 a group,
+    so every expert is one group; a hot expert of 11 tiles beside seven of one tile (at most 3 + 2
+    a group) becomes parts of 4, 4 and 3 tiles."""
+    word = lambda first, size: first | size << 16
+    t = tile_table(np.array([0, 5, 128, 129, 300]), 128)
+    assert t[:, 3].tolist() == [word(0, 1), word(1, 1), word(2, 2), word(2, 2), word(4, 3), word(4, 3), word(4, 3)]
+    t = tile_table(np.array([11 * 64 - 5] + [64] * 6 + [50]), 64)
+    assert t[:, 3].tolist() == [word(0, 4)] * 4 + [word(4, 4)] * 4 + [word(8, 3)] * 3 + [word(u, 1) for u in range(11, 18)]
+    # gemm_tile's order (rb outer within a group): every block one (row block, tile), once, each
+    # tile's expert, first row and rows from its group's entry
+    rbs, seen = 3, set()
+    for b in range(rbs * len(t)):
+        e, _, _, g, grow0, glast = t[b // rbs, :6]
+        first, size = g & 0xFFFF, g >> 16
+        rem = b - first * rbs
+        rb, i = rem // size, rem % size
+        assert (e, grow0 + i * 64, glast if i + 1 == size else 64) == tuple(t[first + i, :3])
+        seen.add((rb, first + i))
+    assert seen == {(rb, u) for rb in range(rbs) for u in range(len(t))}
 
 
 def test_permuted_k_rows_meet_the_packed_fragments():
@@ -101,12 +123,21 @@ def _group_kernels(ids: np.ndarray, experts: int, top_k: int, bm: int, max_tiles
     total = counts.sum(0)
     counts = np.cumsum(counts, 0) - counts  # scan: each chunk's offset within its expert
     first = np.concatenate([[0], np.cumsum(total)])
-    tiles = np.zeros((max_tiles, 3), np.int64)
+    tiles = np.zeros((max_tiles, 8), np.int64)
+    ntile = -(-total // bm)
+    gmax = (int(ntile.sum()) + experts - 1) // experts + 2
     t = 0
     for e in range(experts):
-        for r in range(0, int(total[e]), bm):
-            tiles[t] = (e, first[e] + r, min(bm, total[e] - r))
-            t += 1
+        c = int(ntile[e])
+        parts = (c + gmax - 1) // gmax
+        base, big = (c // parts, c % parts) if parts else (0, 0)
+        for r in range(c):
+            g0 = r // (base + 1) * (base + 1) if r < big * (base + 1) else r - (r - big * (base + 1)) % base
+            size = base + 1 if r < big * (base + 1) else base
+            tiles[t + r] = (e, first[e] + r * bm, min(bm, total[e] - r * bm), (t + g0) | size << 16,
+                            first[e] + g0 * bm, min(bm, total[e] - (g0 + size - 1) * bm), 0, 0)
+        t += c
+    tiles[t:, 3] = np.arange(t, max_tiles) | 1 << 16
     tok, slot = np.full(p, -7), np.full(p, -7)
     for b in range(chunks):  # place
         ent = [flat[i] if i < p else -1 for i in range(b * 1024, b * 1024 + 1024)]
@@ -150,7 +181,9 @@ def test_grouping_kernels_agree_with_the_stable_sort():
             if routed[t, j]:
                 assert tok[flat_slot[t, j]] == t
     want_tiles = tile_table(counts[:e], 128)
-    assert np.array_equal(tiles[:len(want_tiles)], want_tiles) and not tiles[len(want_tiles):].any()
+    used = len(want_tiles)
+    assert np.array_equal(tiles[:used], want_tiles) and not tiles[used:, [0, 1, 2, 4, 5, 6, 7]].any()
+    assert np.array_equal(tiles[used:, 3], np.arange(used, len(tiles)) | 1 << 16)  # each its own group
 
 
 def test_gate_up_writes_h_in_the_permuted_order():

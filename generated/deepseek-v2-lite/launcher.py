@@ -2147,8 +2147,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (6144,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (65,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (2496,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (6656,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1823,8 +1823,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 7168)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (32768,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (257,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (6912,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (768,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (18432,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (2048,)})}
 
 
 def Layer(weights=None, device=None):

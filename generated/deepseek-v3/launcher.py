@@ -1728,8 +1728,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 7168)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (32768,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (257,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3840,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (10240,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1949,8 +1949,11 @@ MOE_DEVICE void rmsnorm_body(const bf16_t* __restrict__ x, const float* __restri
 // warpgroup multiplies its 64 token rows by the block's BN weight rows (wgmma m64nBNk16, fp32
 // accumulators in registers). Results in bf16. Each output element is one fixed sequence of
 // wgmma k-steps: the same bits whatever the other tokens of the batch.
-// tiles: [blocks.y][3] int32, (expert, first permuted row, rows in the tile <= BM).
+// tiles: [blocks.y][8] int32, (expert, first permuted row, rows in the tile <= BM, then its group
+// (gemm_tile's order): the group's first tile + its tiles << 16, its first row, its last tile's
+// rows; 0, 0).
 namespace gg {
+constexpr int TI = 8;  // int32 a tile table's entry (32 bytes: one sector)
 // Byte offset of 16-byte chunk c (0..7) of row r in a [rows][64] bf16 tile, 128-byte swizzle:
 // the chunk index XOR the row within its 8-row group.
 MOE_DEVICE u32 swz128(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
@@ -2021,20 +2024,48 @@ MOE_DEVICE uint4 lds128(u32 addr) {
   asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-// Block b's (weight row block, tile) of the GEMM's rbs x tiles blocks: consecutive blocks take G
-// consecutive tiles (about one expert's: G = the tiles an expert has on average, the most tiles the
-// routing makes being its tokens' tiles + one per expert) of one row block, then the same tiles of
-// the next row block. The blocks that read the same weight rows (an expert's tiles) then run side by
-// side, and a group's token rows stay in L2 while every row block reads them: on the H200
-// (2026-12-01, one process, the same bits) against G row blocks of a tile, then of the next tile
-// (G = the multiprocessors / the tiles an expert has): Mixtral-8x7B 10027.4 -> 9829.1 us,
-// Qwen3-30B-A3B 1432.7 -> 1409.1 us, DeepSeek-V3-FP8-a8 13070.8 -> 13049.0 us at N = 8192, where
-// DeepSeek-V3-FP8-a8's down GEMM had read 9.1 GB from DRAM for its 3.8 GB of weights (an earlier
-// row-block-fastest order read every weight row once per wave: ~14x Mixtral's weights). Only which
-// block computes a tile changes, never how.
-MOE_DEVICE int2 gemm_block(int b, int rbs, int tiles, int experts) {
-  const unsigned g = max(1, tiles / experts - 1), grp = (unsigned)b / (g * rbs), first = grp * g;
-  const unsigned size = min(g, tiles - first), rem = (unsigned)b - grp * g * rbs, rb = rem / size;
+// The block's index in its grid and the grid's size, read where they are used: computed once before
+// the warpgroups set their register counts, ptxas kept them on the stack (the FP8-activation GEMMs)
+MOE_DEVICE int block_index() {
+  u32 x, y, nx;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n\tmov.u32 %1, %%ctaid.y;\n\tmov.u32 %2, %%nctaid.x;" : "=r"(x), "=r"(y), "=r"(nx));
+  return (int)(y * nx + x);
+}
+MOE_DEVICE int grid_size() {
+  u32 nx, ny;
+  asm volatile("mov.u32 %0, %%nctaid.x;\n\tmov.u32 %1, %%nctaid.y;" : "=r"(nx), "=r"(ny));
+  return (int)(nx * ny);
+}
+// Block b of the GEMM's rbs x tiles blocks: its weight row block, tile and the tile's (expert, first
+// row, rows). Consecutive blocks take one group's tiles (the scan's groups: an expert's tiles, cut
+// into equal parts where it has more than two over the average) of one row block, then the same
+// tiles of the next row block. An expert's weight rows are then read from DRAM once, by blocks that
+// run side by side, and the group's token rows stay in L2 while every row block reads them. Block
+// b's group is that of tile b / rbs, whose entry holds all the group's tiles need (a group is one
+// expert's consecutive tiles, full but for the expert's last), so that one 32-byte read finds it.
+// Only which block computes a tile changes, never how.
+// (Before, groups of G consecutive tiles, G the tiles an expert has on average, which straddle
+// experts: on the H200, 2026-12-02, the same bits, N = 8192, DeepSeek-V3-FP8-a8 11043.7 -> 10608.6 us,
+// Qwen3-30B-A3B 1316.8 -> 1302.4; Qwen3-30B-A3B-FP8-a8 at N = 2048 376.0 -> 383.0 (README). Before
+// that, G row blocks of a tile then of the next: Mixtral-8x7B 10027.4 -> 9829.1 us, Qwen3-30B-A3B
+// 1432.7 -> 1409.1 us at N = 8192, 2026-12-01.)
+struct TileRef {
+  int rb, tile, e, row0, rows;
+};
+MOE_DEVICE TileRef gemm_tile(int b, int rbs, const int* __restrict__ tiles, int bm) {
+  const unsigned p = (unsigned)b / (unsigned)rbs;
+  const int4 h = *reinterpret_cast<const int4*>(tiles + (size_t)p * TI);
+  const int2 g = *reinterpret_cast<const int2*>(tiles + (size_t)p * TI + 4);
+  const unsigned f = (unsigned)h.w & 0xFFFFu, size = (unsigned)h.w >> 16;
+  const unsigned rem = (unsigned)b - f * rbs, rb = rem / size, i = rem - rb * size;
+  return TileRef{ (int)rb, (int)(f + i), h.x, g.x + (int)i * bm, i + 1 < size ? bm : g.y };
+}
+// Block b's (row block, unit) where a block takes a unit of two tiles (the FP8-activation GEMMs'
+// pairs of 64-row tiles, whose two tiles may be two experts'): groups of G consecutive units, G
+// about the units an expert has, in the same order (the groups before the scan's).
+MOE_DEVICE int2 gemm_block(int b, int rbs, int units, int experts) {
+  const unsigned g = max(1, units / experts - 1), grp = (unsigned)b / (g * rbs), first = grp * g;
+  const unsigned size = min(g, units - first), rem = (unsigned)b - grp * g * rbs, rb = rem / size;
   return make_int2((int)rb, (int)(first + rem - rb * size));
 }
 // The first warp unit (16-row tile, or row group) of row block rb of `warps` units: where the
@@ -2322,8 +2353,8 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
     const int p = tid - CONSUMERS, pu = p >> 5, pl = p & 31;
     int gk = 0;
     for (int b = b0; b < blocks; b += grid) {
-      const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
-      const int e = tiles[blk.y * 3], row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+      const gg::TileRef blk = gg::gemm_tile(b, rbs, tiles, BN);
+      const int e = blk.e, row0 = blk.row0, rows = blk.rows;
       if (rows <= 0) continue;  // past the routing's tiles
       const unsigned char* bsrc[BJ];  // the X' row of each B chunk this thread copies (rows past the tile: zero-filled)
       bool alive[BJ];
@@ -2339,7 +2370,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       // moves by a fixed stride per k-tile, so every address is a base plus constants.
       static_assert(PT == 128 && WARPS % MATS == 0, "the producer's map of lane-units");
       const size_t wstride = TWO ? (size_t)kc * 128 : (size_t)kc * MATS * 64;  // a 16-row tile / row group's run
-      const int wu = gg::row_unit(blk.x, WARPS, wtiles);  // the block's first warp unit
+      const int wu = gg::row_unit(blk.rb, WARPS, wtiles);  // the block's first warp unit
       const uint4* abase = TWO ? w + ((size_t)e * wtiles + wu) * kc * 128 + pu * 32 + pl
                                  : w + ((size_t)e * (row_tiles / MATS) + wu / MATS) * kc * MATS * 64 +
                                        ((pu / 2) * MATS * 2 + pu % 2) * 32 + pl;
@@ -2496,10 +2527,10 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   int gk = 0;
   bool staged = false;  // STY: this thread's warpgroups have staged a half before
   for (int b = b0; b < blocks; b += grid) {
-    const int2 blk = gg::gemm_block(b, rbs, n_tiles, experts);  // (row block, tile)
-    const int row0 = tiles[blk.y * 3 + 1], rows = tiles[blk.y * 3 + 2];
+    const gg::TileRef blk = gg::gemm_tile(b, rbs, tiles, BN);
+    const int row0 = blk.row0, rows = blk.rows;
     if (rows <= 0) continue;
-    const int it = gg::row_unit(blk.x, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
+    const int it = gg::row_unit(blk.rb, WARPS, wtiles) + warp;  // this warp's 16-row tile (PAIR: row group of two)
     if constexpr (FP8) {  // the block's sums start at zero (each K block's promotion adds to them)
 #pragma unroll
       for (int a = 0; a < NACC; ++a)
@@ -2507,7 +2538,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
         for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
     }
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
-      scw = sc + ((size_t)tiles[blk.y * 3] * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
+      scw = sc + ((size_t)blk.e * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
     uint4 af0[NACC][4], af1[NACC][4];
     frags(af0, gk);
     for (int kt = 0; kt < ktiles; kt += 2) {
@@ -2521,7 +2552,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
     gg::mbar_arrive(empty + ((u32)(gk - 1) % S) * BSTEP);
     if constexpr (F4 == MOE_W_NVFP4) {  // the matrices' scale_2 (after the record's row scales)
       const float* s2 = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(sc) +
-                                                       ((size_t)tiles[blk.y * 3] * wtiles + it + 1) * REC - 16);
+                                                       ((size_t)blk.e * wtiles + it + 1) * REC - 16);
 #pragma unroll
       for (int a = 0; a < NACC; ++a) {
         const float f = __ldg(s2 + a);
@@ -2530,7 +2561,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       }
     }
     if constexpr (PT8) {  // the matrices' weight_scale * input_scale, the tile's expert's
-      const float* m = sc + (size_t)tiles[blk.y * 3] * (GATED ? 4 : 2);
+      const float* m = sc + (size_t)blk.e * (GATED ? 4 : 2);
 #pragma unroll
       for (int a = 0; a < NACC; ++a) {
         const float f = __ldg(m + (GATED ? 2 * a : 0)) * __ldg(m + (GATED ? 2 * a : 0) + 1);
@@ -2539,8 +2570,8 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       }
     }
     // BIAS: this tile's expert's biases
-    const float* eb0 = BIAS ? bias0 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
-    const float* eb1 = BIAS && GATED ? bias1 + (size_t)tiles[blk.y * 3] * n_out : nullptr;
+    const float* eb0 = BIAS ? bias0 + (size_t)blk.e * n_out : nullptr;
+    const float* eb1 = BIAS && GATED ? bias1 + (size_t)blk.e * n_out : nullptr;
     if constexpr (STY) {  // this warpgroup's half of the Y tile into the stage, then a bulk copy a token row
       const int wg = warp >> 2, wt = tid & 127;
       const int c0 = (it - warp) * 32 + wg * 128;  // the half's first column
@@ -2660,18 +2691,40 @@ MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[(size_t)blockIdx.x * experts + e] = cnt[e];
 }
 // 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
-//    expert's first row (in expert order), and the tile table: (expert, first row, rows) per
-//    tile of bm rows, then (0, 0, 0) up to max_tiles so that the GEMMs' extra blocks return.
-// With a shared expert, also its tile table over all n tokens in order: (0, first row, rows),
-// shared_max entries (the rows <= 0 past n).
+//    expert's first row (in expert order), and the tile table: (expert, first row, rows, group)
+//    per tile of bm rows, then entries of no rows and a group of their own up to max_tiles so that
+//    the GEMMs' extra blocks return (moegen.prefill.tile_table transcribes it).
+// With a shared expert, also its tile table over all n tokens in order, one group: (0, first row,
+// rows, ...), shared_max entries (the rows <= 0 past n).
+// Tile r of an expert's c tiles of bm rows (`rows` rows from row0 on, its first tile t0) into the
+// tile table, with its group: the equal part of the expert's tiles that holds it, at most gmax
+// tiles a part (the first parts a tile more than the others).
+MOE_DEVICE void put_tile(int* __restrict__ tiles, int e, int row0, int rows, int bm, int t0, int r, int c, int gmax) {
+  const int parts = (c + gmax - 1) / gmax, base = c / parts, big = c % parts, cut = big * (base + 1);
+  const int g0 = r < cut ? r - r % (base + 1) : r - (r - cut) % base, size = r < cut ? base + 1 : base;
+  int* t = tiles + (size_t)(t0 + r) * gg::TI;
+  *reinterpret_cast<int4*>(t) = make_int4(e, row0 + r * bm, min(bm, rows - r * bm), (t0 + g0) | size << 16);
+  *reinterpret_cast<int4*>(t + 4) = make_int4(row0 + g0 * bm, min(bm, rows - (g0 + size - 1) * bm), 0, 0);
+}
+// (entry t of no rows, past the routing's or the tokens' tiles, first row row0: a group of its own)
+MOE_DEVICE void put_empty(int* __restrict__ tiles, int t, int row0, int rows) {
+  *reinterpret_cast<int4*>(tiles + (size_t)t * gg::TI) = make_int4(0, row0, rows, t | 1 << 16);
+  *reinterpret_cast<int4*>(tiles + (size_t)t * gg::TI + 4) = make_int4(row0, rows, 0, 0);
+}
+// The shared expert's groups (its table's tiles are all one expert's): at most this many tiles. On
+// the H200 (2026-12-02, the same bits), DeepSeek-V3-FP8-a8 at N = 8192 (64 tiles): 10690.5 us as
+// one group, 10608.6 in groups of 16; at N = 2048 3859.4 and 3853.7.
+constexpr int SHARED_GROUP = 16;
 MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
                                   int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
                                   int* __restrict__ shared_tiles = nullptr, int shared_max = 0, int shared_bm = 0) {
   const int sbm = shared_bm ? shared_bm : bm;  // (the shared expert's tile, where its format's differs)
+  const int s_used = (n_shared + sbm - 1) / sbm;
   for (int t = threadIdx.x; t < shared_max; t += blockDim.x) {
-    shared_tiles[(size_t)t * 3] = 0;
-    shared_tiles[(size_t)t * 3 + 1] = t * sbm;
-    shared_tiles[(size_t)t * 3 + 2] = min(sbm, n_shared - t * sbm);
+    if (t < s_used)
+      put_tile(shared_tiles, 0, 0, n_shared, sbm, 0, t, s_used, SHARED_GROUP);
+    else  // (rows <= 0 past n: their blocks return)
+      put_empty(shared_tiles, t, t * sbm, n_shared - t * sbm);
   }
   __shared__ int total[512], ntile[512];
   __shared__ int tiles_used;
@@ -2699,18 +2752,11 @@ MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int expe
     tiles_used = tile;
   }
   __syncthreads();
+  for (int t = tiles_used + threadIdx.x; t < max_tiles; t += blockDim.x) put_empty(tiles, t, 0, 0);
+  const int gmax = (tiles_used + experts - 1) / experts + 2;  // (the groups' most tiles: two over the average)
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    for (int r = 0; r * bm < total[e]; ++r) {
-      int* t = tiles + (size_t)(ntile[e] + r) * 3;
-      t[0] = e;
-      t[1] = first[e] + r * bm;
-      t[2] = min(bm, total[e] - r * bm);
-    }
-  }
-  for (int t = tiles_used + threadIdx.x; t < max_tiles; t += blockDim.x) {
-    tiles[(size_t)t * 3] = 0;
-    tiles[(size_t)t * 3 + 1] = 0;
-    tiles[(size_t)t * 3 + 2] = 0;
+    const int c = (total[e] + bm - 1) / bm;
+    for (int r = 0; r < c; ++r) put_tile(tiles, e, first[e], total[e], bm, ntile[e], r, c, gmax);
   }
 }
 // 3. each entry's row: its expert's first row, + its expert's entries in earlier chunks, in
@@ -2788,9 +2834,9 @@ template <bool PERM>
 MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict__ tok, const int* __restrict__ tiles,
                                         const float* __restrict__ sc, int stride, bf16_t* dst, int k, int tile,
                                         int pair) {
-  const int rows = tiles[tile * 3 + 2];
+  const int rows = tiles[tile * gg::TI + 2];
   if (2 * pair >= k || rows <= 0) return;
-  const int e = tiles[tile * 3], row0 = tiles[tile * 3 + 1], at = 2 * pair;
+  const int e = tiles[tile * gg::TI], row0 = tiles[tile * gg::TI + 1], at = 2 * pair;
   const float s = __ldg(sc + (size_t)e * stride + 1);
   const int c = at & 31;
   const int col = PERM ? (at & ~31) + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) : at;

@@ -1893,8 +1893,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 4096)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (24576,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (257,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3072,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (8192,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

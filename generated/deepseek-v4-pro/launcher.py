@@ -1853,8 +1853,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 7168)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (36864,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (385,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3456,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (9216,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

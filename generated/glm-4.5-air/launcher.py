@@ -2028,8 +2028,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 4096)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (16384,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3456,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (9216,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

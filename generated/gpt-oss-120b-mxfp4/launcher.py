@@ -1525,7 +1525,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SWIGLU_CLAMPED'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2880)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (8192,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (1920,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (5120,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

@@ -1585,7 +1585,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SWIGLU_CLAMPED'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2880)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (2048,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (33,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (1632,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (4352,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

@@ -1781,8 +1781,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 7168)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (49152,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (385,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (7296,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (768,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (19456,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (2048,)})}
 
 
 def Layer(weights=None, device=None):

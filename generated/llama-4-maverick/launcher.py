@@ -1567,8 +1567,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 5120)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (2048,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (768,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (2048,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

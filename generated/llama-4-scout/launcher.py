@@ -1854,8 +1854,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 5120)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (256,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (17,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (432,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (1152,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

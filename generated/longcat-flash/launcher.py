@@ -1439,7 +1439,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 6144)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (98304,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (513,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (6144,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (16384,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

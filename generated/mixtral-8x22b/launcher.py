@@ -1514,7 +1514,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 6144)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (256,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (9,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (792,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (2112,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

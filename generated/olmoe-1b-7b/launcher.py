@@ -1695,7 +1695,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (8192,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (65,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3264,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (8704,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

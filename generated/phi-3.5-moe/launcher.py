@@ -1542,7 +1542,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 4096)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (512,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (17,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (816,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (2176,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

@@ -1990,8 +1990,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (3840,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (61,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (1716,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (4576,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

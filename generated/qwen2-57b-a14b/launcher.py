@@ -1787,8 +1787,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 3584)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (8192,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (65,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3264,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (8704,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1807,7 +1807,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (131072, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (16384,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (3456,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (9216,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

@@ -1501,7 +1501,7 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (16384,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (6528,)},
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (17408,)},
                {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
 
 

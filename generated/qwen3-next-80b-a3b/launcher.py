@@ -1926,8 +1926,8 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'uint16', 'name': 'xp', 'shape': (16384, 2048)},
                {'dtype': 'int32', 'name': 'counts', 'shape': (81920,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (513,)},
-               {'dtype': 'int32', 'name': 'tiles', 'shape': (5376,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (384,)})}
+               {'dtype': 'int32', 'name': 'tiles', 'shape': (14336,)},
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
 
 
 def Layer(weights=None, device=None):
