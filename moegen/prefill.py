@@ -329,7 +329,7 @@ def _sms(device: object) -> int:
 class GroupedGemm:
     """One compiled grouped-GEMM kernel on a device: y[p, :] = x[tok[p], :] @ w[e].T for the
     rows p of each tile (expert e). Pointers are raw device addresses (bf16 x [T, K], int32 tok
-    [P], bf16 w [E, n_out, K], int32 tiles [n_tiles, 4] (tile_table), bf16 y [P, n_out]); n_out % bn == 0 and
+    [P], bf16 w [E, n_out, K], int32 tiles [n_tiles, 8] (tile_table), bf16 y [P, n_out]); n_out % bn == 0 and
     K % 64 == 0."""
 
     def __init__(self, tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:

@@ -2690,12 +2690,6 @@ MOE_DEVICE void prefill_count_body(const int* __restrict__ ids, int entries, int
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[(size_t)blockIdx.x * experts + e] = cnt[e];
 }
-// 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
-//    expert's first row (in expert order), and the tile table: (expert, first row, rows, group)
-//    per tile of bm rows, then entries of no rows and a group of their own up to max_tiles so that
-//    the GEMMs' extra blocks return (moegen.prefill.tile_table transcribes it).
-// With a shared expert, also its tile table over all n tokens in order, one group: (0, first row,
-// rows, ...), shared_max entries (the rows <= 0 past n).
 // Tile r of an expert's c tiles of bm rows (`rows` rows from row0 on, its first tile t0) into the
 // tile table, with its group: the equal part of the expert's tiles that holds it, at most gmax
 // tiles a part (the first parts a tile more than the others).
@@ -2715,6 +2709,12 @@ MOE_DEVICE void put_empty(int* __restrict__ tiles, int t, int row0, int rows) {
 // the H200 (2026-12-02, the same bits), DeepSeek-V3-FP8-a8 at N = 8192 (64 tiles): 10690.5 us as
 // one group, 10608.6 in groups of 16; at N = 2048 3859.4 and 3853.7.
 constexpr int SHARED_GROUP = 16;
+// 2. one block: each expert's offset within every chunk (counts becomes that prefix), each
+//    expert's first row (in expert order), and the tile table: (expert, first row, rows, group)
+//    per tile of bm rows, then entries of no rows and a group of their own up to max_tiles so that
+//    the GEMMs' extra blocks return (moegen.prefill.tile_table transcribes it).
+// With a shared expert, also its tile table over all n tokens in order, in groups of at most
+// SHARED_GROUP tiles: (0, first row, rows, ...), shared_max entries (the rows <= 0 past n).
 MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int experts, int bm, int max_tiles,
                                   int* __restrict__ first, int* __restrict__ tiles, int n_shared = 0,
                                   int* __restrict__ shared_tiles = nullptr, int shared_max = 0, int shared_bm = 0) {
