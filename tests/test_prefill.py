@@ -60,6 +60,27 @@ def test_tile_table_covers_each_expert_in_bm_row_tiles():
     assert tile_table(np.zeros(3, int), 64).shape == (0, 8)
 
 
+def test_tile_tables_past_16_bit_tile_indices_are_refused():
+    """A tile table's group word holds a tile index in 16 bits: a layer whose routing could make
+    65536 tiles or more has no prefill buckets, and says why (the plan's top_k <= 32 and
+    max_tokens <= 65536 keep every real layer under 33280; the Layer here skips the plan's checks)."""
+    from pathlib import Path
+
+    import yaml
+
+    from moegen import prefill_plan
+    from moegen.families import Layer
+    from moegen.plan import TARGETS
+    from moegen.spec import parse_spec
+
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / "qwen3-30b-a3b.yaml").read_text())
+    wide = {**data, "experts": {**data["experts"], "top_k": 128}, "max_tokens": 65536}
+    spec = parse_spec(wide, check_generated=False)
+    assert "65664 tiles at max_tokens=65536 (at most 65535)" in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+    spec = parse_spec({**wide, "max_tokens": 32768}, check_generated=False)
+    assert "tiles at max_tokens" not in prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch]))
+
+
 def test_tile_groups_are_an_experts_tiles_cut_in_equal_parts_past_two_over_the_average():
     """The group word (first tile | tiles << 16): here 7 tiles over 5 experts, at most 2 + 2 a group,
     so every expert is one group; a hot expert of 11 tiles beside seven of one tile (at most 3 + 2
