@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moegen.nvrtc import compile_cuda
-from moegen.prefill import GemmTiles, group_by_expert, k_permutation, permute_k, render_grouped_gemm, tile_table
+from moegen.prefill import TILE_INTS, GemmTiles, group_by_expert, k_permutation, permute_k, render_grouped_gemm, tile_table
 from moegen.weights import pack_tiles
 
 
@@ -144,7 +144,7 @@ def _group_kernels(ids: np.ndarray, experts: int, top_k: int, bm: int, max_tiles
     total = counts.sum(0)
     counts = np.cumsum(counts, 0) - counts  # scan: each chunk's offset within its expert
     first = np.concatenate([[0], np.cumsum(total)])
-    tiles = np.zeros((max_tiles, 8), np.int64)
+    tiles = np.zeros((max_tiles, TILE_INTS), np.int64)
     ntile = -(-total // bm)
     gmax = (int(ntile.sum()) + experts - 1) // experts + 2
     t = 0
