@@ -2805,7 +2805,10 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");  // (2 x 128 x 224 + 128 x 56: the launch's 384 x 168)
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  // the warpgroup by a shuffle, so that ptxas knows it is the same across the warp: the A operand's
+  // descriptors (this warpgroup's token rows of the stage) are then made in uniform registers, not
+  // moved into them before each QGMMA (R2UR, 29 of them in the gate/up kernel before, 5 after)
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3, lane = tid & 31;
   const int r_lo = wg * 64 + warp * 16 + (lane >> 2);  // this thread's token rows r_lo, r_lo + 8 of the stage
   const size_t mstride = (size_t)experts * (n_out / 128) * (k_dim / 128);  // sc: [matrix][E][n_out/128][K/128]
   float acc[64], t0[64], t1[64];
