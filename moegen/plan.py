@@ -133,14 +133,18 @@ class PackedWeight:
 
 @dataclass(frozen=True)
 class TensorMap:
-    """A TMA tensor map over a packed weight, which the runtime encodes (cuTensorMapEncodeTiled)
-    once the weight is on the device and stores in the weights' buffer "tmaps", 128 bytes each in
-    plan order: 32-bit elements, dims innermost first, strides in bytes (dims 1..), one box."""
+    """A TMA tensor map over a packed weight (workspace: over a workspace buffer), which the runtime
+    encodes (cuTensorMapEncodeTiled) once the weight is on the device and stores in the weights'
+    buffer "tmaps", 128 bytes each in plan order: `elem`-byte elements (4 or 1), dims innermost
+    first, strides in bytes (dims 1..), one box, no swizzle or the 128-byte one."""
 
     weight: str
     dims: tuple[int, ...]
     strides: tuple[int, ...]
     box: tuple[int, ...]
+    elem: int = 4
+    swizzle: int = 0
+    workspace: bool = False
 
 
 @dataclass(frozen=True)
@@ -592,6 +596,7 @@ def plan_from_dict(d: dict) -> Plan:
     d["raw"] = tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"])) for b in d["raw"])
     d["kernel_order"] = tuple(d["kernel_order"])
     d["prefill_tiles"] = tuple(d.get("prefill_tiles", ()))
-    d["tensor_maps"] = tuple(TensorMap(m["weight"], *(tuple(m[f]) for f in ("dims", "strides", "box")))
+    d["tensor_maps"] = tuple(TensorMap(m["weight"], *(tuple(m[f]) for f in ("dims", "strides", "box")),
+                                       m.get("elem", 4), m.get("swizzle", 0), m.get("workspace", False))
                              for m in d.get("tensor_maps", ()))
     return Plan(**d)

@@ -369,9 +369,12 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
     # the weights' buffer "tmaps"), its last argument after (sc, xs, wrow, bias0, bias1)
     tmaps = (("const void* __restrict__ tmaps", None, "w.tmaps"),) if t.a8 else ()
 
-    def tmap(rest: tuple[str, ...], idx: int) -> tuple[str, ...]:
-        return (*rest, *("nullptr",) * (5 - len(rest)), f"static_cast<const char*>(tmaps) + {128 * idx}") if t.a8 \
-            else rest
+    # and its tokens' rows (xmap, a map over the workspace's codes: a8_tensor_maps)
+    xmaps = a8_token_maps(c) if t.a8 else {}
+
+    def tmap(rest: tuple[str, ...], idx: int, codes: str = "") -> tuple[str, ...]:
+        return (*rest, *("nullptr",) * (5 - len(rest)), f"static_cast<const char*>(tmaps) + {128 * idx}",
+                f"static_cast<const char*>(tmaps) + {128 * xmaps[codes]}") if t.a8 else rest
 
     # BIAS (GPT-OSS): the routed experts' biases, [E][I] for gate and up, [E][H] for down
     b13 = ((("const float* __restrict__ b_gate", None, "w.b_gate"), ("const float* __restrict__ b_up", None, "w.b_up"))
@@ -430,7 +433,7 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
                               ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
                               *((wrow,) if c.woi else ()), *b13, *tmaps),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *tmap(tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ()), 0)),
+                              *tmap(tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ()), 0, "xq")),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma ({'both operands from shared memory' if t.a8 else 'register A'}) on the packed tiles, "
                              + ("two 64-row tiles x 64 columns a block" if t.a8 else
@@ -441,7 +444,7 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
                            ("const uint4* __restrict__ w2", None, "w.w2"), table, ("bf16_t* __restrict__ y", None, "ws.y"),
                            n, *scales("s2", "sa"), *b2, *tmaps),
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
-                           *tmap(tail("s2", "sa", biases=("b_down",) if c.bias else ()), 1)),
+                           *tmap(tail("s2", "sa", biases=("b_down",) if c.bias else ()), 1, "actq")),
                           "prefill_gemm",
                           f"prefill: Y = H' Wd per expert (bf16), " + ("two 64-row tiles x 128 columns a block" if t.a8 else
                                                                         f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
@@ -499,7 +502,7 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
             ((f"{act_in} xp", None, xin), ("const uint4* __restrict__ ws13", None, "w.ws13"),
              stable, ("bf16_t* __restrict__ h", None, "ws.act_s"), n, *scales("ss13", "sx", ts), *tmaps),
             ("xp", "nullptr", "ws13", "stiles", "h", str(si), str(h), str(si // 16), "1", "n", "1", "0",
-             *tmap(sarg("ss13", "sx", ts), 2)),
+             *tmap(sarg("ss13", "sx", ts), 2, "xq")),
             "prefill_gemm",
             f"prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), {ts.packed_rows} tokens a block", ts)
         out["gemm_down_shared"] = kern(
@@ -508,7 +511,7 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
             ((f"{act_in} hp", None, hsin), ("const uint4* __restrict__ ws2", None, "w.ws2"),
              stable, ("bf16_t* __restrict__ y", None, "ws.ys"), n, *scales("ss2", "sas", ts), *tmaps),
             ("hp", "nullptr", "ws2", "stiles", "y", str(h), str(si), str(h // 16), "1", "n", "1", "0",
-             *tmap(sarg("ss2", "sas", ts), 3)),
+             *tmap(sarg("ss2", "sas", ts), 3, "actq_s")),
             "prefill_gemm",
             "prefill: the shared expert's YS = H' Wd (bf16)", ts)
     return out
@@ -523,7 +526,10 @@ def a8_tensor_maps(c: Layer) -> tuple:
     the K half, the chunk. One box, a GEMM block's k-tile (four groups: 128 weight rows, four chunks),
     lands in shared memory as [chunk][K half][group][matrix][256 bytes]: the block's 128 rows as
     core matrices 128 bytes apart (gate/up: each group's gate rows, then its up rows), the K halves
-    2048 bytes apart, as prefill_gemm_a8's B descriptor reads them."""
+    2048 bytes apart, as prefill_gemm_a8's B descriptor reads them. Then the maps over the
+    workspace's token codes (x's, the routed and the shared activations'; a8_token_maps): bytes,
+    [rows][K], a box one 64-row tile's k-tile in the 128-byte swizzle, the stage's layout for the
+    A descriptor."""
     from .plan import TensorMap
 
     t = tiles(c)
@@ -537,7 +543,23 @@ def a8_tensor_maps(c: Layer) -> tuple:
     if c.si:
         ts = shared_tiles_of(c)
         maps += (tmap("ws13", c.si // 16, c.h // 32, ts), tmap("ws2", c.h // 32, c.si // 32, ts))
+
+    def codes(buf: str, k: int, rows: int, box_rows: int) -> TensorMap:
+        return TensorMap(buf, (k, rows), (k,), (128, box_rows), elem=1, swizzle=128, workspace=True)
+
+    # the token rows' codes in the workspace (bytes in the 128-byte swizzle: the stage's layout), a
+    # box a 64-row tile's k-tile, for the GEMMs whose rows are in order (down; the shared expert's)
+    maps += (codes("xq", c.h, c.nmax, 64), codes("actq", c.i, c.nmax * c.k, 64))
+    if c.si:
+        maps += (codes("actq_s", c.si, c.nmax, 64),)
     return maps
+
+
+def a8_token_maps(c: Layer) -> dict[str, int]:
+    """Where a8_tensor_maps has each workspace buffer's map (the kernels' xmap; the routed gate/up
+    GEMM gathers its rows by cp.async and takes x's map unread)."""
+    first = 4 if c.si else 2
+    return {"xq": first, "actq": first + 1, **({"actq_s": first + 2} if c.si else {})}
 
 
 def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:

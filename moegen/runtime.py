@@ -166,19 +166,21 @@ def allow_smem(kernel: Any, size: int, device: Any) -> None:
         "allowing a kernel its dynamic shared memory")
 
 
-def _write_tensor_maps(plan: Plan, packed: Memory) -> None:
-    """Encode the plan's tensor maps over the packed weights and store them in the weights' buffer
-    "tmaps" (128 bytes each, in plan order), where the kernels read them."""
+def _write_tensor_maps(plan: Plan, packed: Memory, workspace: Memory) -> None:
+    """Encode the plan's tensor maps over the packed weights (and the layer's workspace) and store
+    them in the weights' buffer "tmaps" (128 bytes each, in plan order), where the kernels read them."""
     if not plan.tensor_maps:
         return
     drv = _driver()
     words = np.zeros((len(plan.tensor_maps), 16), np.uint64)
+    kinds = {4: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32, 1: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}
+    swizzles = {0: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, 128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}
     for i, m in enumerate(plan.tensor_maps):
         tmap = _ok(drv.cuTensorMapEncodeTiled(
-            drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32, len(m.dims), packed.ptr(m.weight),
+            kinds[m.elem], len(m.dims), (workspace if m.workspace else packed).ptr(m.weight),
             [drv.cuuint64_t(v) for v in m.dims], [drv.cuuint64_t(v) for v in m.strides],
             [drv.cuuint32_t(v) for v in m.box], [drv.cuuint32_t(1)] * len(m.dims),
-            drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+            drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles[m.swizzle],
             drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"encoding the tensor map over {m.weight}")
         words[i] = [int(w) for w in tmap.opaque]
@@ -304,7 +306,7 @@ class Layer:
                 fill[head] += self._copy_in(obj, key, stage.ptr(head) + fill[head])
         for pw in on_device:
             self._pack(pw, src_ptr, packed)
-        _write_tensor_maps(self.plan, packed)
+        _write_tensor_maps(self.plan, packed, self.workspace)
         _ok(drv.cuCtxSynchronize(), "packing weights")
         stage.close()
         if self._weights is not None:
@@ -329,7 +331,7 @@ class Layer:
             raise RuntimeError("load_weights_from: the other layer has no weights loaded")
         self.device.set_current()
         packed = other._weights.copy()
-        _write_tensor_maps(self.plan, packed)  # over this copy's weights, not the other layer's
+        _write_tensor_maps(self.plan, packed, self.workspace)  # over this copy's weights, not the other layer's
         if self._weights is not None:
             self._weights.close()
         self._weights = packed

@@ -353,6 +353,38 @@ def test_fp8_activation_buckets_cut_their_tiles_at_128_rows_from_64_rows_an_expe
     assert [m for m, h in seen if h][0] == first and all(h == (m >= first) for m, h in seen), seen
 
 
+
+@pytest.mark.parametrize("name", ["deepseek-v3-fp8-a8", "qwen3-30b-a3b-fp8-a8"])
+def test_fp8_activation_gemms_read_their_rows_in_order_by_maps_over_the_codes_they_are_given(name):
+    """Each FP8-activation GEMM whose token rows are in order (down, the shared expert's gate/up and
+    down) is handed, as its last argument, the tensor map over the very workspace buffer it reads
+    its codes from: bytes, [rows][K] spanning that buffer's rows and no more than its bytes, a box
+    one 64-row tile's 128-byte k-tile (the stage's rows) in the 128-byte swizzle that the A
+    descriptor reads. The routed gate/up GEMM gathers its rows (cp.async)."""
+    import re
+    from pathlib import Path
+
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    sizes = {b.name: (b.shape, int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize) for b in plan.workspace}
+    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    assert len(gemms) == (8 if plan.shared_inter else 4)  # the 64-row pairs' and the 128-row tiles' kernels
+    for k in gemms:
+        codes = k.arg_keys[0]
+        assert codes.startswith("ws."), (k.name, codes)
+        m = plan.tensor_maps[int(re.fullmatch(r"static_cast<const char\*>\(tmaps\) \+ (\d+)", k.args[-1])[1]) // 128]
+        assert m.workspace and m.weight == codes[3:], (k.name, m)
+        (rows, _), nbytes = sizes[m.weight]
+        width = {"xq": plan.hidden, "actq": plan.inter, "actq_s": plan.shared_inter}[m.weight]
+        assert m.dims == (width, rows) and m.strides == (width,) and m.dims[0] * m.dims[1] <= nbytes
+        assert (m.elem, m.swizzle, m.box) == (1, 128, (128, 64)), m
+        gathered = k.family == "prefill_gemm_gate_up"
+        assert ("tok" in k.args[1]) == gathered, k.args
+
+
 def _compiles_clean(spec, plan, kernels) -> None:
     """The layer compiles without ptxas's warnings (C7508: setmaxnreg ignored; C7513, C7514: wgmmas
     serialized), and these kernels without spills or a stack frame."""

@@ -73,24 +73,27 @@ class FakeDriver:
     def cuCtxSynchronize(self) -> tuple[int]:
         return (0,)
 
-    # tensor maps: the documented limits of cuTensorMapEncodeTiled (no interleave or swizzle)
-    CUtensorMapDataType = SimpleNamespace(CU_TENSOR_MAP_DATA_TYPE_UINT32="u32")
+    # tensor maps: the documented limits of cuTensorMapEncodeTiled (no interleave; the 128-byte
+    # swizzle takes an inner box of at most 128 bytes)
+    CUtensorMapDataType = SimpleNamespace(CU_TENSOR_MAP_DATA_TYPE_UINT32="u32", CU_TENSOR_MAP_DATA_TYPE_UINT8="u8")
     CUtensorMapInterleave = SimpleNamespace(CU_TENSOR_MAP_INTERLEAVE_NONE="none")
-    CUtensorMapSwizzle = SimpleNamespace(CU_TENSOR_MAP_SWIZZLE_NONE="none")
+    CUtensorMapSwizzle = SimpleNamespace(CU_TENSOR_MAP_SWIZZLE_NONE="none", CU_TENSOR_MAP_SWIZZLE_128B="128B")
     CUtensorMapL2promotion = SimpleNamespace(CU_TENSOR_MAP_L2_PROMOTION_L2_256B="256B")
     CUtensorMapFloatOOBfill = SimpleNamespace(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE="none")
     cuuint64_t = cuuint32_t = staticmethod(int)
 
     def cuTensorMapEncodeTiled(self, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle, l2, oob):
-        assert dtype == "u32" and interleave == swizzle == oob == "none" and 1 <= rank <= 5
+        size = {"u32": 4, "u8": 1}[dtype]
+        assert interleave == oob == "none" and swizzle in ("none", "128B") and 1 <= rank <= 5
         assert len(dims) == len(box) == len(estrides) == rank and len(strides) == rank - 1
         assert addr % 16 == 0 and all(0 < d <= 1 << 32 for d in dims)
         for i, st in enumerate(strides):
             assert st % 16 == 0 and st < 1 << 40, f"stride {i + 1}: {st}"
         # bytes up to the last element (the strides need not grow with the dims: the FP8-activation
         # maps take a group's row halves before the K halves, measured on the H200)
-        extent = [4 * dims[0] + sum(st * (d - 1) for st, d in zip(strides, dims[1:]))]
-        assert all(0 < b <= 256 and b <= d for b, d in zip(box, dims)) and (4 * box[0]) % 16 == 0
+        extent = [size * dims[0] + sum(st * (d - 1) for st, d in zip(strides, dims[1:]))]
+        assert all(0 < b <= 256 and b <= d for b, d in zip(box, dims)) and (size * box[0]) % 16 == 0
+        assert swizzle == "none" or size * box[0] <= 128
         assert all(e == 1 for e in estrides)
         assert self._inside(addr, extent[-1]), "the tensor reaches past its allocation"
         self.maps.append((addr, tuple(dims), tuple(strides), tuple(box)))
@@ -440,6 +443,25 @@ def test_tensor_maps_are_encoded_over_each_layers_own_weights(fake_cuda):
         assert [a for a, *_ in maps] == [layer._weights.ptr("w2"), layer._weights.ptr("ws2")]
     assert len(drv.maps) == 4
 
+
+
+def test_token_code_maps_are_encoded_over_each_layers_own_workspace(fake_cuda):
+    """The FP8-activation GEMMs' maps over their token codes (prefill_plan.a8_tensor_maps) point into
+    the layer's own workspace, bytes in the 128-byte swizzle; the weights' maps into its weights,
+    also for a layer whose weights are a device copy of another's."""
+    drv, _ = fake_cuda
+    plan = make_plan(dict(SPECS)["fp8_activations"])
+    on_ws = [m for m in plan.tensor_maps if m.workspace]
+    assert [m.weight for m in on_ws] == ["xq", "actq", "actq_s"] and all(m.elem == 1 and m.swizzle == 128 for m in on_ws)
+    first, second = _layer(plan), _layer(plan)
+    first.load_weights(_host_weights(plan))
+    second.load_weights_from(first)
+    count = len(plan.tensor_maps)
+    assert len(drv.maps) == 2 * count
+    for layer, maps in ((first, drv.maps[:count]), (second, drv.maps[count:])):
+        want = [(layer.workspace if m.workspace else layer._weights).ptr(m.weight) for m in plan.tensor_maps]
+        assert [a for a, *_ in maps] == want
+    assert first.workspace.ptr("xq") != second.workspace.ptr("xq")
 
 def test_layer_in_parts_takes_each_kernel_from_its_part(fake_cuda, monkeypatch):
     """A layer compiled in parts loads one module per cubin and takes each kernel from its part's."""

@@ -2654,6 +2654,12 @@ MOE_DEVICE void tensor_copy5(u32 dst, const void* map, int c0, int c1, int c2, i
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
 }
+// One box of a 2-dimensional tensor map (a token rows' codes: K bytes, rows) to shared memory at
+// (c0, c1), its bytes completing on the mbarrier; rows past the map's (c1 < 0 too) land as zeros
+MOE_DEVICE void tensor_copy2(u32 dst, const void* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
 MOE_DEVICE float ldsf(u32 addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
@@ -2676,10 +2682,11 @@ MOE_DEVICE float ldsf(u32 addr) {
 // rows, core matrices 128 bytes apart (gate/up: each group's gate rows 0-7, 8-15 then up's, so
 // that accumulator block j of a thread holds gate (j % 4 < 2) or up of the same columns), the
 // K halves 2048 bytes apart. The tokens' k-tile is 128-byte rows in the 128-byte swizzle (the
-// first tile's 64, then the second's), gathered through tok (GATHER; otherwise rows in order),
-// their scales beside. Each K block's products go to their own accumulators, two sets in turn: a
-// k-tile's group is issued before the previous one's products, times the weight block's scale and
-// each token's, are added to the sums in fp32 (as the reference scales each block). A token row's
+// first tile's 64, then the second's), gathered through tok by cp.async (GATHER), otherwise (rows
+// in order) a box of the tensor map xmap a tile; their scales beside. Each K block's products
+// go to their own accumulators, two sets in turn: a k-tile's group is issued before the previous
+// one's products, times the weight block's scale and each token's, are added to the sums in fp32
+// (as the reference scales each block). A token row's
 // products are the same whatever the other tile of its block. HALVES: the table cut at 128 rows
 // instead, a block taking one tile, its two 64-row halves (one expert: one weight box), where the
 // routed experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
@@ -2688,8 +2695,12 @@ template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false>
 MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
                                 void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
                                 int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
-                                const void* __restrict__ tmap) {
+                                const void* __restrict__ tmap, const void* __restrict__ xmap) {
   constexpr int BN = 64, BK = 128, S = GATED ? 4 : 4;
+  // the token rows by a box of xmap a tile (rows in order), or gathered through tok by cp.async:
+  // a one-row box a token (the 128-byte swizzle lands it where the stage's rows go) gave the same
+  // bits and took DeepSeek-V3-FP8-a8 from 10.9 to 15.0 ms at N = 8192 (H200, 2026-12-03)
+  constexpr bool XBOX = !GATHER;
   constexpr int CONSUMERS = 256, PT = 128;
   // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
   // differ), the token rows' scales
@@ -2756,6 +2767,8 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
     const int p = tid - CONSUMERS;
     if (p == 0)  // the map (written before the launch) as the tensor copies will see it
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
+    if (XBOX && p == 0)
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(xmap) : "memory");
     const size_t srows = GATHER ? n : (size_t)n * topk;
     const int b0 = gg::block_index();
     int gk = 0;
@@ -2774,9 +2787,11 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
         const int h0 = j < BJ / 2 ? q.row0[0] : q.row0[1];
         return rr < hr ? (GATHER ? __ldg(tok + h0 + rr) : h0 + rr) : -1;
       };
-      int held[BJ];
+      int held[XBOX ? 1 : BJ];
+      if constexpr (!XBOX) {
 #pragma unroll
-      for (int j = 0; j < BJ; ++j) held[j] = src_row(j);
+        for (int j = 0; j < BJ; ++j) held[j] = src_row(j);
+      }
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
       const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
@@ -2785,16 +2800,25 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
         if (gk >= S) mbar_wait(empty + s * 8, ((u32)gk / S - 1) & 1);
         unsigned char* st = sbase + s * STAGE;
         if (p == 0) {
-          gg::mbar_expect_tx(full + s * 8, same ? W_BYTES : 2 * W_BYTES);
+          // XBOX: the tiles' token rows too, a box each (rows past a tile: the next rows' codes, whose
+          // products no thread stores; past the buffer's rows, zeros)
+          gg::mbar_expect_tx(full + s * 8, (same ? W_BYTES : 2 * W_BYTES) +
+                                               (XBOX ? (q.rows[1] > 0 ? 2u : 1u) * BN * BK : 0u));
           gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES), tmap, 0, 0, q.e[0] * units + u, 0, kt * 4, full + s * 8);
           if (!same)
             gg::tensor_copy5(base + (u32)(s * STAGE + X_BYTES + W_BYTES), tmap, 0, 0, q.e[1] * units + u, 0, kt * 4,
                              full + s * 8);
+          if constexpr (XBOX) {
+            gg::tensor_copy2(base + (u32)(s * STAGE), xmap, kt * BK, q.row0[0], full + s * 8);
+            if (q.rows[1] > 0) gg::tensor_copy2(base + (u32)(s * STAGE + BN * BK), xmap, kt * BK, q.row0[1], full + s * 8);
+          }
         }
+        if constexpr (!XBOX) {
 #pragma unroll
-        for (int j = 0; j < BJ; ++j) {
-          const int row = held[j];
-          cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
+          for (int j = 0; j < BJ; ++j) {
+            const int row = held[j];
+            cp_async16(st + gg::swz128((p + j * PT) >> 3, p & 7), xcol + (size_t)max(row, 0) * k_dim + kt * BK, row >= 0);
+          }
         }
         cp_async4_zfill(st + SC_OFF + p * 4, ssrc + kt * srows, salive);
         gg::cp_async_mbar_arrive(full + s * 8);
@@ -2819,7 +2843,8 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   // scales (gate's and up's; down's one) into sw
   auto issue = [&](int kt, int g, float (&d)[64], float (&sw)[2]) {
     mbar_wait(full + ((u32)g % S) * 8, ((u32)g / S) & 1);
-    gg::fence_async_smem();  // the producers' cp.async writes (the tokens), seen by the tensor cores' reads
+    if constexpr (!XBOX)
+      gg::fence_async_smem();  // the producers' cp.async writes (the tokens), seen by the tensor cores' reads
     const u32 st = base + ((u32)g % S) * STAGE;
     sw[0] = __ldg(scw + kt);
     sw[1] = GATED ? __ldg(scw + mstride + kt) : sw[0];
@@ -2909,13 +2934,14 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              int row_tiles, int experts, int n, int topk, int extra,
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
                              const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
-                             const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr) {
+                             const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr,
+                             const void* __restrict__ xmap = nullptr) {
   if constexpr (A8) {
     static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
     // (BNT 128: the table cut at 128 rows, a block's warpgroups taking a tile's halves)
     prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128>(
-        xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap);
+        xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap, xmap);
   } else {
     prefill_gemm_w<GATED, MATS, GATHER, FP8, PAIR, BULK, F4, WOI, BIAS, BNT, PT8, STY>(
         xp, tok, w, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, wrow, bias0, bias1);
@@ -3213,7 +3239,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn64_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
-  prefill_gemm<true, 2, true, true, true, false, true>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0);
+  prefill_gemm<true, 2, true, true, true, false, true>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0, static_cast<const char*>(tmaps) + 256);
 }
 #endif
 // prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER
@@ -3225,7 +3251,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i768_k8_sm
 // prefill: Y = H' Wd per expert (bf16), two 64-row tiles x 128 columns a block
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn64_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
-  prefill_gemm<false, 2, false, true, true, true, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128);
+  prefill_gemm<false, 2, false, true, true, true, true>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128, static_cast<const char*>(tmaps) + 384);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order
@@ -3249,12 +3275,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e128_k8_h2048_i768_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
-  prefill_gemm<true, 2, true, true, true, false, true, 0, false, false, 128>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0);
+  prefill_gemm<true, 2, true, true, true, false, true, 0, false, false, 128>(xp, tok, w13, tiles, h, 768, 2048, 48, 128, n, 8, 128, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0, static_cast<const char*>(tmaps) + 256);
 }
 #endif
 // prefill: Y = H' Wd per expert (bf16), two 64-row tiles x 128 columns a block
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e128_k8_h2048_i768_bm128_bn128_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n, const float* __restrict__ s2, const float* __restrict__ sa, const void* __restrict__ tmaps) {
-  prefill_gemm<false, 2, false, true, true, true, true, 0, false, false, 128>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128);
+  prefill_gemm<false, 2, false, true, true, true, true, 0, false, false, 128>(hp, nullptr, w2, tiles, y, 2048, 768, 128, 128, n, 8, 128, s2, sa, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 128, static_cast<const char*>(tmaps) + 384);
 }
 #endif

@@ -2646,6 +2646,12 @@ MOE_DEVICE void tensor_copy5(u32 dst, const void* map, int c0, int c1, int c2, i
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5, %6 }], [%7];"
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
 }
+// One box of a 2-dimensional tensor map (a token rows' codes: K bytes, rows) to shared memory at
+// (c0, c1), its bytes completing on the mbarrier; rows past the map's (c1 < 0 too) land as zeros
+MOE_DEVICE void tensor_copy2(u32 dst, const void* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
 MOE_DEVICE float ldsf(u32 addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
@@ -2664,7 +2670,8 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              int row_tiles, int experts, int n, int topk, int extra,
                              const float* __restrict__ sc = nullptr, const float* __restrict__ xs = nullptr,
                              const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
-                             const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr) {
+                             const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr,
+                             const void* __restrict__ xmap = nullptr) {
   if constexpr (A8) {
     static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
