@@ -132,6 +132,10 @@ class Tuning:
     # at N = 2048 / 8192; slower with FP8 weights, whose loops convert codes (Qwen3-30B-A3B-FP8
     # 603.3 / 2024.9 against 618.2 / 2072.4, -FP8-a8 411.7 / 1399.6 against 418.9 / 1415.0).
     prefill_stage_y: bool | None = None
+    # FP8 activations: the buckets of moegen.prefill_plan.a8_xrows quantize x into a row of codes
+    # per (token, choice) in the tile table's order, which the routed gate/up GEMM reads by tensor
+    # copies (False: it gathers each token's row by cp.async in every bucket).
+    prefill_xrows: bool = True
     # The prefill GEMMs' weight k-tiles by bulk copies (moegen.prefill.GemmTiles.bulk_a): on
     # the H200 (2026-11-30, one process, the same bits) Qwen3-30B-A3B 357.3 / 577.7 / 1724.2 against
     # 340.8 / 528.9 / 1606.6 us at N = 512 / 2048 / 8192, Mixtral-8x7B 3493.6 / 11772.5 against

@@ -266,6 +266,27 @@ def a8_halves(c: Layer, nb: int) -> bool:
     return tiles(c).a8 and (nb // 2 + 1) * c.k >= A8_HALVES_ROWS * c.e_local
 
 
+# The buckets whose smallest token count makes x's codes (N x H bytes, which the routed gate/up
+# GEMM gathers a token row of 128 bytes at a time, each row once for each of its choices' tiles and
+# row blocks) at least A8_XROWS_L2 of L2 quantize x into a row of codes per (token, choice) in the
+# tile table's order (after place), which that GEMM reads by tensor copies as the GEMMs whose rows
+# are in order do: the extra P x H bytes written pay once the gathered rows no longer stay in L2
+# beside the weights. On the H200 (2026-12-03, one process, the same bits, us per layer, gathered
+# against rows in order): DeepSeek-V3-FP8-a8 7645.5 against 7111.4 at N = 5000 (x's codes 36 MB),
+# 10627.3 against 10077.0 at 8192 (59 MB); Qwen3-30B-A3B-FP8-a8 489.7 against 494.4 at N = 2500
+# (5 MB), 1140.1 against 1127.8 at 8192 (17 MB), 2204.8 against 2182.8 at 16384 (34 MB).
+A8_XROWS_L2 = 0.5
+
+
+def a8_xrows(c: Layer, nb: int) -> bool:
+    """Whether the prefill bucket of up to nb tokens gives the routed gate/up GEMM x's codes a row per
+    (token, choice) in the tile table's order (A8_XROWS_L2)."""
+    from .plan import TARGETS
+
+    return (tiles(c).a8 and c.tune.prefill_xrows
+            and (nb // 2 + 1) * c.h >= A8_XROWS_L2 * TARGETS[c.spec.arch].l2_bytes)
+
+
 def chunks(c: Layer, tokens: int) -> int:
     return -(-tokens * c.k // GROUP_THREADS)
 
@@ -284,6 +305,9 @@ def workspace(c: Layer, on: bool) -> tuple[Buffer, ...]:
         Buffer("first", "int32", (c.e_local + 1,) if on else (1,)),
         Buffer("tiles", "int32", (max_tiles(c, n) * TILE_INTS,) if on else (1,)),
         Buffer("stiles", "int32", (shared_tiles(c, n) * TILE_INTS,) if on and c.si else (1,)),
+        # A8: x's codes and scales a row per (token, choice) (a8_xrows; [K / 128][rows] scales)
+        Buffer("xqr", "uint8", (n * c.k, c.h) if on and a8_xrows(c, n) else (1,)),
+        Buffer("sxr", "float32", (n * c.k, c.h // 128) if on and a8_xrows(c, n) else (1,)),
     )
 
 
@@ -292,9 +316,10 @@ def shared_tiles(c: Layer, tokens: int, rows: int = 0) -> int:
     return -(-tokens // (rows or shared_tiles_of(c).packed_rows)) if c.si else 0
 
 
-def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
+def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Kernel]:
     """The prefill kernels of the layer, by family (halves: the FP8-activation GEMMs and the scan of
-    the buckets that cut the tiles at 128 rows, a8_halves)."""
+    the buckets that cut the tiles at 128 rows, a8_halves; xrows: x's quantization and the routed
+    gate/up GEMM of the buckets that give x's codes a row per (token, choice), a8_xrows)."""
     from .plan import TARGETS, Kernel
 
     e, k, h, i, arch = c.e_local, c.k, c.h, c.i, c.spec.arch
@@ -326,20 +351,21 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
     gemm, wf = gemm_tag(t), t.wfmt
 
     def targs(gated: str, mats: str, gather: str = "", woi: bool = False, bias: bool = False,
-              tile: GemmTiles = t) -> tuple[str, ...]:
+              tile: GemmTiles = t, rows: bool = False) -> tuple[str, ...]:
         """prefill_gemm's template arguments: GATED, MATS, then GATHER, FP8, A8, PAIR (the down GEMMs
         on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
         routing weight on the input: the routed gate/up GEMM scales gate and up by it), BIAS (the
         routed experts' biases), BNT (the tile's tokens; the shared expert's tile where its format's
-        differs), PT8 (FP8 per-tensor weights) and STY (the down GEMM's Y tile staged, stage_y) up
-        to the last that is not its default."""
+        differs), PT8 (FP8 per-tensor weights), STY (the down GEMM's Y tile staged, stage_y) and
+        XROWS (A8: the routed gate/up GEMM's x codes a row per (token, choice), a8_xrows) up to the
+        last that is not its default."""
         pair = gated == "false" and tile.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (tile.fp8, tile.a8, pair,
                                                                           tile.bulk_a and (gated == "true" or pair))),
                 FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn),
-                str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower()]
+                str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower(), str(rows).lower()]
         default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(layer_bn), "false",
-                   "false"]
+                   "false", "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)
@@ -384,6 +410,8 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
     # the GEMMs' inputs: bf16 rows (X' permuted, H' permuted by the gate/up epilogue), or with A8
     # the e4m3 codes the quantization kernels write (x, then H in column order)
     act_in = "const unsigned char* __restrict__" if t.a8 else "const bf16_t* __restrict__"
+    xr = xrows and t.a8
+    xsx = "sxr" if xr else "sx"  # (the routed gate/up GEMM's x scales: a row per (token, choice) with xr)
     xin, hin, hsin = ("ws.xq", "ws.actq", "ws.actq_s") if t.a8 else ("ws.xp", "ws.act", "ws.act_s")
     def down_tag(tile: GemmTiles) -> str:
         return (f"bm{tile.bm}_bn{tile.bn}_s{tile.dstages}" + ("_ws" if tile.ws else "") + ("_pair" if tile.down_pair else "")
@@ -426,18 +454,20 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"
                       + (", and its routing weight" if c.woi else "")),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}"
-                             + ("_winput" if c.woi else ""), t.packed_threads,
-                             targs("true", "2", "false" if t.fp8_tensor else "", woi=c.woi, bias=c.bias),
-                             ((f"{act_in} xp", None, xin), tok,
+                             + ("_winput" if c.woi else "") + ("_xrows" if xr else ""), t.packed_threads,
+                             targs("true", "2", "false" if t.fp8_tensor else "", woi=c.woi, bias=c.bias, rows=xr),
+                             ((f"{act_in} xp", None, "ws.xqr" if xr else xin), tok,
                               ("const uint4* __restrict__ w13", None, "w.w13"), table,
-                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", "sx"),
+                              ("bf16_t* __restrict__ h", None, "ws.act"), n, *scales("s13", xsx),
                               *((wrow,) if c.woi else ()), *b13, *tmaps),
                              ("xp", "tok", "w13", "tiles", "h", str(i), str(h), str(i // 16), str(e), "n", str(k), str(e),
-                              *tmap(tail("s13", "sx", c.woi, ("b_gate", "b_up") if c.bias else ()), 0, "xq")),
+                              *tmap(tail("s13", xsx, c.woi, ("b_gate", "b_up") if c.bias else ()), 0,
+                                    "xqr" if xr else "xq")),
                              "prefill_gemm",
                              f"prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma ({'both operands from shared memory' if t.a8 else 'register A'}) on the packed tiles, "
                              + ("two 64-row tiles x 64 columns a block" if t.a8 else
-                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
+                              f"{warps} 16-row tiles x {t.packed_rows} tokens a block")
+                             + (", x's codes a row per (token, choice)" if xr else "")),
         "gemm_down": kern("gemm_down", f"down_e{e}_k{k}_h{h}_i{i}_{down}_m{c.tune.down_tiles}_{wf}", t.packed_threads,
                           targs("false", str(c.tune.down_tiles), bias=c.bias),
                           ((f"{act_in} hp", None, hin),
@@ -473,6 +503,18 @@ def kernels(c: Layer, halves: bool = False) -> dict[str, Kernel]:
         shared_q = ((("const bf16_t* __restrict__ hs", None, "ws.act_s"),
                      ("unsigned char* __restrict__ hsq", None, "ws.actq_s"), ("float* __restrict__ sas", None, "ws.sas"))
                     if si else ())
+        if xr:  # (after place: each (token, choice) row's place in the table)
+            out["quant_x"] = kern("quant", f"quant_x_h{h}_k{k}_rows" + ("_shared" if si else ""), QUANT_THREADS, (),
+                                  (("const bf16_t* __restrict__ x", None, c.x_expert),
+                                   ("unsigned char* __restrict__ xq", None, "ws.xq"),
+                                   ("float* __restrict__ sx", None, "ws.sx"), slot,
+                                   ("unsigned char* __restrict__ xqr", None, "ws.xqr"),
+                                   ("float* __restrict__ sxr", None, "ws.sxr"), n),
+                                  ("x", "xq" if si else "nullptr", "sx", "slot", "xqr", "sxr", str(h), "n", str(k)),
+                                  "prefill_quant_x_rows_body",
+                                  "prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER, "
+                                  "a row per (token, choice) in the tile table's order"
+                                  + (" and a row per token (the shared expert's)" if si else ""))
         out["quant_h"] = kern("quant", f"quant_h_i{i}_k{k}" + (f"_si{si}" if si else ""), QUANT_THREADS, (),
                               (("const bf16_t* __restrict__ h", None, "ws.act"),
                                ("unsigned char* __restrict__ hq", None, "ws.actq"), ("float* __restrict__ sa", None, "ws.sa"),
@@ -552,22 +594,26 @@ def a8_tensor_maps(c: Layer) -> tuple:
     maps += (codes("xq", c.h, c.nmax, 64), codes("actq", c.i, c.nmax * c.k, 64))
     if c.si:
         maps += (codes("actq_s", c.si, c.nmax, 64),)
+    if a8_xrows(c, c.nmax):
+        maps += (codes("xqr", c.h, c.nmax * c.k, 64),)
     return maps
 
 
 def a8_token_maps(c: Layer) -> dict[str, int]:
     """Where a8_tensor_maps has each workspace buffer's map (the kernels' xmap; the routed gate/up
-    GEMM gathers its rows by cp.async and takes x's map unread)."""
+    GEMM reads xqr's in the buckets of a8_xrows, and elsewhere gathers its rows by cp.async, x's
+    map unread)."""
     first = 4 if c.si else 2
-    return {"xq": first, "actq": first + 1, **({"actq_s": first + 2} if c.si else {})}
+    return {"xq": first, "actq": first + 1, **({"actq_s": first + 2} if c.si else {}),
+            **({"xqr": first + 2 + bool(c.si)} if a8_xrows(c, c.nmax) else {})}
 
 
 def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     """The prefill kernels' launches for calls of up to nb tokens (after the router and route)."""
     from .plan import Launch
 
-    halves = a8_halves(c, nb)
-    ks = kernels(c, halves)
+    halves, xrows = a8_halves(c, nb), a8_xrows(c, nb)
+    ks = kernels(c, halves, xrows)
     t, ts = tiles(c), shared_tiles_of(c)
     rows_h = 2 * t.packed_rows if halves else 0  # (A8: the tiles' rows where a bucket cuts them at 128)
 
@@ -588,6 +634,8 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
 
     if t.fp8_tensor:  # (after place: the rows' tiles)
         group["quant_x"] = per_tile(c.h)
+    if xrows:  # (after place: each (token, choice) row's place)
+        group["quant_x"] = first.pop("quant_x")
     routed = {"gemm_gate_up": (gemm_grid(c.h, c.i, max_tiles(c, nb, rows_h)), t.packed_threads, t.gate_up_smem_bytes),
               "gemm_down": (gemm_grid(c.i, c.h, max_tiles(c, nb, rows_h), t.down_rows), t.packed_threads,
                             t.down_smem_bytes)}

@@ -433,6 +433,44 @@ def test_prefill_fp8_block_matches_reference(name, tmp_path):
         layer.close()
 
 
+def test_prefill_x_codes_a_row_per_choice_give_the_gathered_rows_bits(tmp_path):
+    """FP8 activations in the buckets that quantize x into a row of codes per (token, choice) after
+    the rows are placed (prefill_plan.a8_xrows, from x's codes half of L2; the routed gate/up GEMM
+    reads them by tensor copies): the same output bits as the layer whose routed gate/up gathers
+    each token's row (the tuning prefill_xrows false), at the first such bucket's smallest N and at
+    an N inside it (DeepSeek-V3-FP8-a8's rules at the reduced width of FP8_PREFILL, H = 1024: from
+    N = 32769)."""
+    import torch
+    import yaml
+
+    from moegen.families import Layer as FLayer
+    from moegen.prefill_plan import a8_xrows
+
+    name = "deepseek-v3-fp8-a8"
+    data = yaml.safe_load((Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml").read_text())
+    spec = parse_spec({**data, **FP8_PREFILL[name], "max_tokens": 65536}, check_generated=False)
+    rows, gather = make_plan(spec), make_plan(spec, tuning=Tuning(prefill_xrows=False))
+    c = FLayer.of(spec, TARGETS[spec.arch], Tuning())
+    first = next(b.max_tokens for b in rows.buckets if a8_xrows(c, b.max_tokens))
+    lo = max(b.max_tokens for b in rows.buckets if b.max_tokens < first) + 1
+    assert any("_xrows_" in k.name for k in rows.kernels) and not any("_xrows_" in k.name for k in gather.kernels)
+    layers = []
+    dev_w, _ = _rand_weights(rows, torch)
+    try:
+        for i, plan in enumerate((rows, gather)):
+            write_dir(tmp_path / f"{spec.name}-{i}", render_all(spec, plan))
+            layers.append(load(tmp_path / f"{spec.name}-{i}", dev_w))
+        for n in (lo, (lo + first) // 2):
+            x = torch.randn(n, rows.hidden, device="cuda", dtype=torch.bfloat16)
+            a, b = (layer(x, out=torch.full_like(x, float("nan")), stream=torch.cuda.current_stream()) for layer in layers)
+            torch.cuda.synchronize()
+            assert bool(torch.isfinite(a.float()).all()), (name, n)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} N = {n}: x's rows differ from gathered"
+    finally:
+        for layer in layers:
+            layer.close()
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_prefill_fp4_scales_of_many_exponents_through_the_kernels(fmt, tmp_path):
     """FP4 weights in the prefill GEMMs (each code times its row scale a bf16 A fragment) and the

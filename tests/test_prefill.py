@@ -259,9 +259,12 @@ def test_layer_prefill_gemms_compile_without_serialized_wgmma(name, tuning):
     for code in PTXAS_WARNINGS:
         assert code not in out.log, out.log
     gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
-    # FP8 activations: the large buckets' GEMMs too, on 128-row tiles (prefill_plan.a8_halves)
+    # FP8 activations: the large buckets' GEMMs too, on 128-row tiles (prefill_plan.a8_halves), and
+    # the largest ones' gate/up on x's codes a row per (token, choice) (prefill_plan.a8_xrows)
     halves = [k for k in gemms if name.endswith("-a8") and "_bn128_" in k.name]
-    assert len(halves) == (2 if name.endswith("-a8") else 0), [k.name for k in gemms]
+    xrows = int(name == "deepseek-v3-fp8-a8")
+    assert len(halves) == (2 + xrows if name.endswith("-a8") else 0), [k.name for k in gemms]
+    assert sum("_xrows_" in k.name for k in halves) == xrows
     gemms = [k for k in gemms if k not in halves]
     assert len(gemms) == 2 and all(("_ws_" in k.name) == tuning.get("prefill_ws", True) for k in gemms)
     assert all(k.name.count("_fp8_") == name.endswith("-fp8") for k in gemms), [k.name for k in gemms]
@@ -354,13 +357,17 @@ def test_fp8_activation_buckets_cut_their_tiles_at_128_rows_from_64_rows_an_expe
 
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3-fp8-a8", "qwen3-30b-a3b-fp8-a8"])
-def test_fp8_activation_gemms_read_their_rows_in_order_by_maps_over_the_codes_they_are_given(name):
+@pytest.mark.parametrize("name,first", [("deepseek-v3-fp8-a8", 8192), ("qwen3-30b-a3b-fp8-a8", 1 << 30)])
+def test_fp8_activation_gemms_read_their_rows_in_order_by_maps_over_the_codes_they_are_given(name, first):
     """Each FP8-activation GEMM whose token rows are in order (down, the shared expert's gate/up and
-    down) is handed, as its last argument, the tensor map over the very workspace buffer it reads
-    its codes from: bytes, [rows][K] spanning that buffer's rows and no more than its bytes, a box
-    one 64-row tile's 128-byte k-tile (the stage's rows) in the 128-byte swizzle that the A
-    descriptor reads. The routed gate/up GEMM gathers its rows (cp.async)."""
+    down, and the routed gate/up of the buckets that give x's codes a row per (token, choice): from
+    the one whose smallest N makes x's codes half of L2, DeepSeek-V3's 8192, none of Qwen3-30B-A3B's
+    up to 16384) is handed, as its last
+    argument, the tensor map over the very workspace buffer it reads its codes from: bytes, [rows][K]
+    spanning that buffer's rows and no more than its bytes, a box one 64-row tile's 128-byte k-tile
+    (the stage's rows) in the 128-byte swizzle that the A descriptor reads. The other routed gate/up
+    GEMMs gather their rows (cp.async). Those buckets quantize x after the rows are placed, into
+    its own rows of codes and scales, a row per (token, choice)."""
     import re
     from pathlib import Path
 
@@ -370,19 +377,33 @@ def test_fp8_activation_gemms_read_their_rows_in_order_by_maps_over_the_codes_th
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
     plan = make_plan(spec)
     sizes = {b.name: (b.shape, int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize) for b in plan.workspace}
-    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
-    assert len(gemms) == (8 if plan.shared_inter else 4)  # the 64-row pairs' and the 128-row tiles' kernels
-    for k in gemms:
-        codes = k.arg_keys[0]
-        assert codes.startswith("ws."), (k.name, codes)
-        m = plan.tensor_maps[int(re.fullmatch(r"static_cast<const char\*>\(tmaps\) \+ (\d+)", k.args[-1])[1]) // 128]
-        assert m.workspace and m.weight == codes[3:], (k.name, m)
-        (rows, _), nbytes = sizes[m.weight]
-        width = {"xq": plan.hidden, "actq": plan.inter, "actq_s": plan.shared_inter}[m.weight]
-        assert m.dims == (width, rows) and m.strides == (width,) and m.dims[0] * m.dims[1] <= nbytes
-        assert (m.elem, m.swizzle, m.box) == (1, 128, (128, 64)), m
-        gathered = k.family == "prefill_gemm_gate_up"
-        assert ("tok" in k.args[1]) == gathered, k.args
+    seen = set()
+    for b in plan.buckets:
+        if b.max_tokens < plan.prefill_from:
+            continue
+        names = [ln.kernel for ln in b.launches]
+        xrows = b.max_tokens >= first
+        for ln in b.launches:
+            k = plan.kernel(ln.kernel)
+            if k.family == "prefill_quant" and "quant_x" in k.name:  # after place where x's rows follow the table
+                assert (names.index(k.name) > next(i for i, m in enumerate(names) if "_place_" in m)) == xrows
+                assert ("ws.xqr" in k.arg_keys) == xrows and ("ws.pair_pos" in k.arg_keys) == xrows
+            if not k.family.startswith("prefill_gemm"):
+                continue
+            seen.add(k.name)
+            codes = k.arg_keys[0]
+            routed_gate_up = k.family == "prefill_gemm_gate_up"
+            assert codes == ("ws.xqr" if routed_gate_up and xrows else codes), (k.name, codes)
+            m = plan.tensor_maps[int(re.fullmatch(r"static_cast<const char\*>\(tmaps\) \+ (\d+)", k.args[-1])[1]) // 128]
+            assert m.workspace and m.weight == codes[3:], (k.name, m)
+            (rows, _), nbytes = sizes[m.weight]
+            width = {"xq": plan.hidden, "xqr": plan.hidden, "actq": plan.inter, "actq_s": plan.shared_inter}[m.weight]
+            assert m.dims == (width, rows) and m.strides == (width,) and m.dims[0] * m.dims[1] <= nbytes
+            assert rows == {"xq": spec.max_tokens, "actq_s": spec.max_tokens}.get(m.weight, spec.max_tokens * plan.top_k)
+            assert (m.elem, m.swizzle, m.box) == (1, 128, (128, 64)), m
+            assert (k.name.endswith("_xrows_" + plan.arch)) == (routed_gate_up and xrows), k.name
+            assert ("true" == k.targs[-1] and len(k.targs) == 14) == (routed_gate_up and xrows), k.targs
+    assert len(seen) == (9 if plan.shared_inter else 4)  # the 64-row pairs', the 128-row tiles', xrows' gate/up
 
 
 def _compiles_clean(spec, plan, kernels) -> None:
@@ -397,6 +418,22 @@ def _compiles_clean(spec, plan, kernels) -> None:
         r = out.resources[k.name]
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)
 
+
+
+def test_fp8_activation_gemm_on_x_rows_in_table_order_compiles_clean():
+    """DeepSeek-V3-FP8-a8's routed gate/up GEMM of the buckets that give x's codes a row per (token,
+    choice) (prefill_plan.a8_xrows) and the other prefill GEMMs of its layer compile without ptxas's
+    serialization warnings, spills or a stack frame."""
+    from pathlib import Path
+
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "deepseek-v3-fp8-a8.yaml")
+    plan = make_plan(spec)
+    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    assert sum(k.name.endswith("_xrows_" + plan.arch) for k in gemms) == 1
+    _compiles_clean(spec, plan, gemms)
 
 @pytest.mark.parametrize("name,first,cut", [
     ("qwen3-next-80b-a3b", 1024, 0), ("qwen3-30b-a3b", 512, 0), ("mixtral-8x7b", 128, 0),

@@ -2691,7 +2691,7 @@ MOE_DEVICE float ldsf(u32 addr) {
 // instead, a block taking one tile, its two 64-row halves (one expert: one weight box), where the
 // routed experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
 // quantization kernel reads it); otherwise Y bf16 [P][n_out].
-template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false>
+template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false, bool XROWS = false>
 MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
                                 void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
                                 int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
@@ -2700,7 +2700,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
   // the token rows by a box of xmap a tile (rows in order), or gathered through tok by cp.async:
   // a one-row box a token (the 128-byte swizzle lands it where the stage's rows go) gave the same
   // bits and took DeepSeek-V3-FP8-a8 from 10.9 to 15.0 ms at N = 8192 (H200, 2026-12-03)
-  constexpr bool XBOX = !GATHER;
+  constexpr bool XBOX = !GATHER || XROWS;
   constexpr int CONSUMERS = 256, PT = 128;
   // a stage: both tiles' token rows, the weights' k-tile for each (the second only where the experts
   // differ), the token rows' scales
@@ -2769,7 +2769,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
     if (XBOX && p == 0)
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(xmap) : "memory");
-    const size_t srows = GATHER ? n : (size_t)n * topk;
+    const size_t srows = GATHER && !XROWS ? n : (size_t)n * topk;
     const int b0 = gg::block_index();
     int gk = 0;
     for (int b = b0; b < blocks; b += gg::grid_size()) {
@@ -2794,7 +2794,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
       }
       const int pr = p % BN, prows = p < BN ? q.rows[0] : q.rows[1], prow0 = p < BN ? q.row0[0] : q.row0[1];
       const bool salive = pr < prows;  // token row p of the stage's scales
-      const float* ssrc = xs + (salive ? (GATHER ? tok[prow0 + pr] : prow0 + pr) : 0);
+      const float* ssrc = xs + (salive ? (GATHER && !XROWS ? tok[prow0 + pr] : prow0 + pr) : 0);
       for (int kt = 0; kt < ktiles; ++kt, ++gk) {
         const int s = (int)((u32)gk % S);
         if (gk >= S) mbar_wait(empty + s * 8, ((u32)gk / S - 1) & 1);
@@ -2928,7 +2928,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
           bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 64, bool PT8 = false,
-          bool STY = false>
+          bool STY = false, bool XROWS = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2940,7 +2940,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
     static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
     // (BNT 128: the table cut at 128 rows, a block's warpgroups taking a tile's halves)
-    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128>(
+    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128, XROWS>(
         xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap, xmap);
   } else {
     prefill_gemm_w<GATED, MATS, GATHER, FP8, PAIR, BULK, F4, WOI, BIAS, BNT, PT8, STY>(
@@ -3124,7 +3124,9 @@ MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict
 // l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
 // + 0, 2, 1, 3 of it (logical 4t + b is column 8t + (0, 2, 1, 3)[b], 16 + 4t + b column 8t + 4 + the same).
 MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
-                                   int k, int rows, int first_warp, int warps) {
+                                   int k, int rows, int first_warp, int warps, const int* __restrict__ slot = nullptr,
+                                   unsigned char* __restrict__ qr = nullptr, float* __restrict__ sr = nullptr,
+                                   int top_k = 0) {
   const int lane = threadIdx.x & 31, kb_count = k / 128;
   const int col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1);
   for (int w = first_warp; w < rows * kb_count; w += warps) {
@@ -3132,10 +3134,30 @@ MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char
     const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
     const float sc = group_scale_e4m3(v);
     // (bytes: columns col, col + 2, col + 1, col + 3)
-    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) =
-        prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
-    if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+    const u32 codes = prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
+    if (q) {
+      *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = codes;
+      if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+    }
+    for (int j = 0; j < top_k; ++j) {  // (slot: the row's choices' rows of the tile table)
+      const int r = __ldg(slot + (size_t)row * top_k + j);
+      if (r < 0) continue;
+      *reinterpret_cast<u32*>(qr + (size_t)r * k + kb * 128 + 4 * lane) = codes;
+      if (lane == 0) sr[(size_t)kb * rows * top_k + r] = sc;
+    }
   }
+}
+// FP8 activations with x's codes a row per (token, choice) (XROWS: the routed gate/up GEMM reads
+// them in the tile table's order, by tensor copies, rather than gathering each token's row): x's n
+// rows as prefill_quant_rows quantizes them, each token's codes and scale written at its choices'
+// rows (slot; -1: a choice with no row here), qr [rows][k] and sr [k / 128][n * top_k]; q and s,
+// per token, only where a shared expert reads them (q null: none).
+MOE_DEVICE void prefill_quant_x_rows_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q,
+                                          float* __restrict__ s, const int* __restrict__ slot,
+                                          unsigned char* __restrict__ qr, float* __restrict__ sr, int k, int n,
+                                          int top_k) {
+  const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), warps = gridDim.x * (blockDim.x >> 5);
+  prefill_quant_rows(src, q, s, k, n, first, warps, slot, qr, sr, top_k);
 }
 // x for the gate/up GEMMs (src2 null), or the routed activations and the shared expert's (src2).
 MOE_DEVICE void prefill_quant_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
@@ -3159,13 +3181,13 @@ static_assert(8 <= 32, "route: one choice per lane");
 // The kernels are compiled as 2 programs at once (MOE_PART = 0 .. 1: each
 // holds the kernels of its part); without MOE_PART the file compiles every kernel.
 // weight packing into the tile layout, matrices side by side or interleaved (runs once, at load)
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_pack_tiles_sm_90a(const bf16_t* __restrict__ src0, const bf16_t* __restrict__ src1, uint4* __restrict__ dst, int experts, int rows, int rows_pad, int k, int mats, int interleave) {
   pack_body(src0, src1, dst, experts, rows, rows_pad, k, mats, interleave);
 }
 #endif
 // route: sigmoid over 256 experts (fp32 logits) + correction bias for selection -> best 4 of 8 groups (sum of each group's top-2) -> top-8 -> renormalize -> x2.5; one token per warp, the last block groups the tokens by expert up to N = 16
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(256) moe_route_e256_k8_sigmoid_scores_cbias_g8of4_renorm_x2p5_fp32_n16384_g16_sm_90a(const float* __restrict__ logits, int* route_cnt, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
   route_kernel_body<256, 256, 8, 1, 16384, false, 256, 16>(logits, route_cnt, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
@@ -3177,13 +3199,13 @@ extern "C" __global__ void __launch_bounds__(128) moe_router_r256_h7168_ks14_nt1
 }
 #endif
 // x as e4m3 codes per token and 128 channels, for the FP8 GEMMs
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_act_quant_x_h7168_sm_90a(const bf16_t* __restrict__ src, bf16_t* __restrict__ q, float* __restrict__ s, int n) {
   act_quant_body<7168, 256>(src, q, s, n);
 }
 #endif
 // gate/up + silu_gated: expert slots x 128 tiles + shared 128 tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_nt1_fp8_block_a8_si2048_nts1_fp8_block_a8_silu_gated_sm_90a(const uint4* __restrict__ w13, const uint4* __restrict__ ws13, const float* __restrict__ s13, const float* __restrict__ ss13, const bf16_t* __restrict__ x, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, const int* __restrict__ slot_token, bf16_t* __restrict__ act, bf16_t* __restrict__ act_s, int n, const float* __restrict__ slot_w, const float* __restrict__ b_gate, const float* __restrict__ b_up, const bf16_t* __restrict__ xq, const float* __restrict__ sx) {
   gate_up_body<224, 1, 1, 4, 5, 5, 128, 128, 2048, 2048, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256>(w13, ws13, s13, ss13, x, num_slots, slot_expert, slot_begin, slot_token, act, act_s, n, slot_w, b_gate, b_up, xq, sx);
 }
@@ -3213,7 +3235,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_e256_h7168_i2048_n
 }
 #endif
 // down: expert slots x 448 tiles of 2048 + shared (2048); the last block of each tile writes the weighted sum
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(128) moe_down_e256_h7168_i2048_k8_nt1_fp8_block_a8_si2048_nts2_fp8_block_a8_sm_90a(const uint4* __restrict__ w2, const uint4* __restrict__ ws2, const float* __restrict__ s2, const float* __restrict__ ss2, const bf16_t* __restrict__ act, const bf16_t* __restrict__ act_s, const int* __restrict__ num_slots, const int* __restrict__ slot_expert, const int* __restrict__ slot_begin, float* y, float* ys, const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ gate_s, int* tile_done, bf16_t* __restrict__ out, int n, const float* __restrict__ b_down, const bf16_t* __restrict__ x, const int* __restrict__ topk_ids, const bf16_t* __restrict__ actq, const float* __restrict__ sa, const bf16_t* __restrict__ actq_s, const float* __restrict__ sas) {
   down_body<64, 64, 1, 2, 4, 5, 4, 2, 224, 7168, 8, false, MOE_W_FP8_BLOCK_A8, MOE_W_FP8_BLOCK_A8, 256, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n, b_down, x, topk_ids, actq, sa, actq_s, sas);
 }
@@ -3249,19 +3271,19 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e256_k8_sm_
 }
 #endif
 // prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn64_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
   prefill_gemm<true, 2, true, true, true, false, true>(xp, tok, w13, tiles, h, 2048, 7168, 128, 256, n, 8, 256, s13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0, static_cast<const char*>(tmaps) + 512);
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 64 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn64_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
   prefill_gemm<true, 2, false, true, true, false, true>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 256, static_cast<const char*>(tmaps) + 512);
 }
 #endif
 // prefill: the activations as e4m3 codes per row and 128 channels, in A8_ORDER (routed, then the shared expert's)
-#if !defined(MOE_PART) || MOE_PART == 1
+#if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_h_i2048_k8_si2048_sm_90a(const bf16_t* __restrict__ h, unsigned char* __restrict__ hq, float* __restrict__ sa, const bf16_t* __restrict__ hs, unsigned char* __restrict__ hsq, float* __restrict__ sas, int n) {
   prefill_quant_body(h, hq, sa, 2048, n * 8, hs, hsq, sas, 2048, n);
 }
@@ -3285,7 +3307,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h7168_k8_s
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e256_k8_r128_n16384_shared_halves_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 256, 128, 2304, first, tiles, n, stiles, 256);
 }
@@ -3297,7 +3319,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 128 tokens a block
-#if !defined(MOE_PART) || MOE_PART == 0
+#if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_shared_h7168_i2048_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_sm_90a(const unsigned char* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n, const float* __restrict__ ss13, const float* __restrict__ sx, const void* __restrict__ tmaps) {
   prefill_gemm<true, 2, false, true, true, false, true, 0, false, false, 128>(xp, nullptr, ws13, stiles, h, 2048, 7168, 128, 1, n, 1, 0, ss13, sx, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 256, static_cast<const char*>(tmaps) + 512);
 }
@@ -3312,5 +3334,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_e256_k8_h7
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_down_shared_h7168_i2048_bm128_bn128_s4_ws_pair_bulk_m2_fp8a8_sm_90a(const unsigned char* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n, const float* __restrict__ ss2, const float* __restrict__ sas, const void* __restrict__ tmaps) {
   prefill_gemm<false, 2, false, true, true, true, true, 0, false, false, 128>(hp, nullptr, ws2, stiles, y, 7168, 2048, 448, 1, n, 1, 0, ss2, sas, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 384, static_cast<const char*>(tmaps) + 768);
+}
+#endif
+// prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER, a row per (token, choice) in the tile table's order and a row per token (the shared expert's)
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_quant_x_h7168_k8_rows_shared_sm_90a(const bf16_t* __restrict__ x, unsigned char* __restrict__ xq, float* __restrict__ sx, int* __restrict__ slot, unsigned char* __restrict__ xqr, float* __restrict__ sxr, int n) {
+  prefill_quant_x_rows_body(x, xq, sx, slot, xqr, sxr, 7168, n, 8);
+}
+#endif
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (both operands from shared memory) on the packed tiles, two 64-row tiles x 64 columns a block, x's codes a row per (token, choice)
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(384, 1) moe_prefill_gate_up_e256_k8_h7168_i2048_bm128_bn128_s4_ws_bulk_fp8a8_silu_gated_xrows_sm_90a(const unsigned char* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n, const float* __restrict__ s13, const float* __restrict__ sxr, const void* __restrict__ tmaps) {
+  prefill_gemm<true, 2, true, true, true, false, true, 0, false, false, 128, false, false, true>(xp, tok, w13, tiles, h, 2048, 7168, 128, 256, n, 8, 256, s13, sxr, nullptr, nullptr, nullptr, static_cast<const char*>(tmaps) + 0, static_cast<const char*>(tmaps) + 896);
 }
 #endif

@@ -2664,7 +2664,7 @@ MOE_DEVICE float ldsf(u32 addr) {
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
           bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 64, bool PT8 = false,
-          bool STY = false>
+          bool STY = false, bool XROWS = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2859,7 +2859,9 @@ MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict
 // l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
 // + 0, 2, 1, 3 of it (logical 4t + b is column 8t + (0, 2, 1, 3)[b], 16 + 4t + b column 8t + 4 + the same).
 MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
-                                   int k, int rows, int first_warp, int warps) {
+                                   int k, int rows, int first_warp, int warps, const int* __restrict__ slot = nullptr,
+                                   unsigned char* __restrict__ qr = nullptr, float* __restrict__ sr = nullptr,
+                                   int top_k = 0) {
   const int lane = threadIdx.x & 31, kb_count = k / 128;
   const int col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1);
   for (int w = first_warp; w < rows * kb_count; w += warps) {
@@ -2867,10 +2869,30 @@ MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char
     const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
     const float sc = group_scale_e4m3(v);
     // (bytes: columns col, col + 2, col + 1, col + 3)
-    *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) =
-        prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
-    if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+    const u32 codes = prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
+    if (q) {
+      *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = codes;
+      if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+    }
+    for (int j = 0; j < top_k; ++j) {  // (slot: the row's choices' rows of the tile table)
+      const int r = __ldg(slot + (size_t)row * top_k + j);
+      if (r < 0) continue;
+      *reinterpret_cast<u32*>(qr + (size_t)r * k + kb * 128 + 4 * lane) = codes;
+      if (lane == 0) sr[(size_t)kb * rows * top_k + r] = sc;
+    }
   }
+}
+// FP8 activations with x's codes a row per (token, choice) (XROWS: the routed gate/up GEMM reads
+// them in the tile table's order, by tensor copies, rather than gathering each token's row): x's n
+// rows as prefill_quant_rows quantizes them, each token's codes and scale written at its choices'
+// rows (slot; -1: a choice with no row here), qr [rows][k] and sr [k / 128][n * top_k]; q and s,
+// per token, only where a shared expert reads them (q null: none).
+MOE_DEVICE void prefill_quant_x_rows_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q,
+                                          float* __restrict__ s, const int* __restrict__ slot,
+                                          unsigned char* __restrict__ qr, float* __restrict__ sr, int k, int n,
+                                          int top_k) {
+  const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), warps = gridDim.x * (blockDim.x >> 5);
+  prefill_quant_rows(src, q, s, k, n, first, warps, slot, qr, sr, top_k);
 }
 // x for the gate/up GEMMs (src2 null), or the routed activations and the shared expert's (src2).
 MOE_DEVICE void prefill_quant_body(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,

@@ -1729,7 +1729,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (32768,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (257,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (10240,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1782,7 +1782,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (49152,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (385,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (19456,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (2048,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (2048,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

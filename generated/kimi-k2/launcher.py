@@ -1829,7 +1829,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (49152,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (385,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (11264,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

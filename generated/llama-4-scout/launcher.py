@@ -1855,7 +1855,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (256,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (17,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (1152,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1696,7 +1696,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (8192,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (65,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (8704,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1811,7 +1811,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (16384,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (129,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (9216,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

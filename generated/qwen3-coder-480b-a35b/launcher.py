@@ -1327,7 +1327,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (20480,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (161,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (9472,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):

@@ -1927,7 +1927,9 @@ PLAN = {'act_rule': (('int', 'KIND', 'MOE_ACT_SILU'),
                {'dtype': 'int32', 'name': 'counts', 'shape': (81920,)},
                {'dtype': 'int32', 'name': 'first', 'shape': (513,)},
                {'dtype': 'int32', 'name': 'tiles', 'shape': (14336,)},
-               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)})}
+               {'dtype': 'int32', 'name': 'stiles', 'shape': (1024,)},
+               {'dtype': 'uint8', 'name': 'xqr', 'shape': (1,)},
+               {'dtype': 'float32', 'name': 'sxr', 'shape': (1,)})}
 
 
 def Layer(weights=None, device=None):
