@@ -2683,7 +2683,8 @@ MOE_DEVICE float ldsf(u32 addr) {
 // that accumulator block j of a thread holds gate (j % 4 < 2) or up of the same columns), the
 // K halves 2048 bytes apart. The tokens' k-tile is 128-byte rows in the 128-byte swizzle (the
 // first tile's 64, then the second's), gathered through tok by cp.async (GATHER), otherwise (rows
-// in order) a box of the tensor map xmap a tile; their scales beside. Each K block's products
+// in order; XROWS: the routed gate/up's x codes a row per (token, choice), prefill_quant_x_rows_body)
+// a box of the tensor map xmap a tile; their scales beside. Each K block's products
 // go to their own accumulators, two sets in turn: a k-tile's group is issued before the previous
 // one's products, times the weight block's scale and each token's, are added to the sums in fp32
 // (as the reference scales each block). A token row's
