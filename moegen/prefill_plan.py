@@ -603,9 +603,7 @@ def a8_token_maps(c: Layer) -> dict[str, int]:
     """Where a8_tensor_maps has each workspace buffer's map (the kernels' xmap; the routed gate/up
     GEMM reads xqr's in the buckets of a8_xrows, and elsewhere gathers its rows by cp.async, x's
     map unread)."""
-    first = 4 if c.si else 2
-    return {"xq": first, "actq": first + 1, **({"actq_s": first + 2} if c.si else {}),
-            **({"xqr": first + 2 + bool(c.si)} if a8_xrows(c, c.nmax) else {})}
+    return {m.weight: i for i, m in enumerate(a8_tensor_maps(c)) if m.workspace}
 
 
 def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
