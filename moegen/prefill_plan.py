@@ -274,7 +274,8 @@ def a8_halves(c: Layer, nb: int) -> bool:
 # beside the weights. On the H200 (2026-12-03, one process, the same bits, us per layer, gathered
 # against rows in order): DeepSeek-V3-FP8-a8 7645.5 against 7111.4 at N = 5000 (x's codes 36 MB),
 # 10627.3 against 10077.0 at 8192 (59 MB); Qwen3-30B-A3B-FP8-a8 489.7 against 494.4 at N = 2500
-# (5 MB), 1140.1 against 1127.8 at 8192 (17 MB), 2204.8 against 2182.8 at 16384 (34 MB).
+# (5 MB), 1140.1 against 1127.8 at 8192 (17 MB), 2204.8 against 2182.8 at 16384 (34 MB). (The
+# quantization's warp reads a token's choices' rows a lane each: top_k <= 32.)
 A8_XROWS_L2 = 0.5
 
 
@@ -283,7 +284,7 @@ def a8_xrows(c: Layer, nb: int) -> bool:
     (token, choice) in the tile table's order (A8_XROWS_L2)."""
     from .plan import TARGETS
 
-    return (tiles(c).a8 and c.tune.prefill_xrows
+    return (tiles(c).a8 and c.tune.prefill_xrows and c.k <= 32
             and (nb // 2 + 1) * c.h >= A8_XROWS_L2 * TARGETS[c.spec.arch].l2_bytes)
 
 

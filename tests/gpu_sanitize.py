@@ -2,7 +2,9 @@
 
     compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py qwen3-30b-a3b:1,64 mixtral-8x7b:1,64
 
-A tuning may follow the counts: qwen3-30b-a3b:1@single_tags=1,down_tiles=1 (integer values).
+A tuning may follow the counts: qwen3-30b-a3b:1@single_tags=1,down_tiles=1 (integer values). A `+xrows`
+after the name gives every prefill bucket of an FP8-activation layer x's codes a row per (token,
+choice) (moegen.prefill_plan.A8_XROWS_L2 = 0), so that a layer small enough for racecheck runs that path.
 """
 
 import sys
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from moegen.bench import _random_weights  # every weight format, made on the device
+from moegen import prefill_plan
 from moegen.build import render_all, write_dir
 from moegen.families import Tuning
 from moegen.plan import make_plan
@@ -20,9 +23,12 @@ from moegen.runtime import load
 from moegen.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
+XROWS_L2 = prefill_plan.A8_XROWS_L2
 
 for arg in sys.argv[1:]:
     name, rest = arg.split(":")
+    name, xrows, _ = name.partition("+xrows")
+    prefill_plan.A8_XROWS_L2 = 0.0 if xrows else XROWS_L2
     counts, _, tuned = rest.partition("@")
     spec = load_spec(ROOT / "specs" / f"{name}.yaml")
     plan = make_plan(spec, tuning=Tuning(**{k: int(v) for k, v in (kv.split("=") for kv in tuned.split(",") if kv)}))

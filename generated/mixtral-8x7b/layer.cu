@@ -4101,30 +4101,45 @@ MOE_DEVICE void prefill_quant_tile_body(const bf16_t* src, const int* __restrict
 }
 // FP8 activations (A8): rows of src (bf16, in column order) as e4m3 codes in A8_ORDER, with their
 // scales [k / 128][rows]: s = max(amax, 1e-4) / 448 in fp32 and the codes e4m3(v / s), as the
-// decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided; lane
-// l writes the block's logical positions 4l .. 4l + 3: chunk l / 8, columns 8 (l % 4) + 4 ((l / 4) % 2)
-// + 0, 2, 1, 3 of it (logical 4t + b is column 8t + (0, 2, 1, 3)[b], 16 + 4t + b column 8t + 4 + the same).
+// decode path quantizes (DeepSeek's act_quant). A warp per (row, 128 channels), grid-strided, QUANT_UNROLL
+// of them at once, their loads first (one 8-byte load a lane in flight left the stream at about a
+// quarter of the memory's rate); lane l writes the block's logical positions 4l .. 4l + 3: chunk l / 8,
+// columns 8 (l % 4) + 4 ((l / 4) % 2) + 0, 2, 1, 3 of it (logical 4t + b is column 8t + (0, 2, 1, 3)[b],
+// 16 + 4t + b column 8t + 4 + the same). With slot, each row's codes and scale also go to its choices'
+// rows (slot [rows][top_k], -1: none; top_k <= 32, lane j reads choice j's row) of qr and sr.
+constexpr int QUANT_UNROLL = 4;
 MOE_DEVICE void prefill_quant_rows(const bf16_t* __restrict__ src, unsigned char* __restrict__ q, float* __restrict__ s,
                                    int k, int rows, int first_warp, int warps, const int* __restrict__ slot = nullptr,
                                    unsigned char* __restrict__ qr = nullptr, float* __restrict__ sr = nullptr,
                                    int top_k = 0) {
-  const int lane = threadIdx.x & 31, kb_count = k / 128;
+  const int lane = threadIdx.x & 31, kb_count = k / 128, units = rows * kb_count;
   const int col = (lane >> 3) * 32 + 8 * (lane & 3) + 4 * ((lane >> 2) & 1);
-  for (int w = first_warp; w < rows * kb_count; w += warps) {
-    const int row = w / kb_count, kb = w % kb_count;
-    const uint2 v = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
-    const float sc = group_scale_e4m3(v);
-    // (bytes: columns col, col + 2, col + 1, col + 3)
-    const u32 codes = prmt(e4m3x2_codes(v.x, sc) | (e4m3x2_codes(v.y, sc) << 16), 0u, 0x3120u);
-    if (q) {
-      *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = codes;
-      if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+  for (int w0 = first_warp; w0 < units; w0 += QUANT_UNROLL * warps) {
+    uint2 v[QUANT_UNROLL];
+    int mine[QUANT_UNROLL];  // (the row's choice `lane`'s row of the tile table)
+#pragma unroll
+    for (int u = 0; u < QUANT_UNROLL; ++u) {  // (w: the same for the warp's lanes)
+      const int w = w0 + u * warps, row = w / kb_count, kb = w % kb_count;
+      if (w < units) v[u] = *reinterpret_cast<const uint2*>(src + (size_t)row * k + kb * 128 + col);
+      mine[u] = w < units && lane < top_k ? __ldg(slot + (size_t)row * top_k + lane) : -1;
     }
-    for (int j = 0; j < top_k; ++j) {  // (slot: the row's choices' rows of the tile table)
-      const int r = __ldg(slot + (size_t)row * top_k + j);
-      if (r < 0) continue;
-      *reinterpret_cast<u32*>(qr + (size_t)r * k + kb * 128 + 4 * lane) = codes;
-      if (lane == 0) sr[(size_t)kb * rows * top_k + r] = sc;
+#pragma unroll
+    for (int u = 0; u < QUANT_UNROLL; ++u) {
+      const int w = w0 + u * warps, row = w / kb_count, kb = w % kb_count;
+      if (w >= units) break;
+      const float sc = group_scale_e4m3(v[u]);
+      // (bytes: columns col, col + 2, col + 1, col + 3)
+      const u32 codes = prmt(e4m3x2_codes(v[u].x, sc) | (e4m3x2_codes(v[u].y, sc) << 16), 0u, 0x3120u);
+      if (q) {
+        *reinterpret_cast<u32*>(q + (size_t)row * k + kb * 128 + 4 * lane) = codes;
+        if (lane == 0) s[(size_t)kb * rows + row] = sc;  // [k / 128][rows]: a tile's rows side by side
+      }
+      for (int j = 0; j < top_k; ++j) {
+        const int r = __shfl_sync(0xffffffffu, mine[u], j);
+        if (r < 0) continue;
+        *reinterpret_cast<u32*>(qr + (size_t)r * k + kb * 128 + 4 * lane) = codes;
+        if (lane == 0) sr[(size_t)kb * rows * top_k + r] = sc;
+      }
     }
   }
 }
