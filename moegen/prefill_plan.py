@@ -288,6 +288,22 @@ def a8_xrows(c: Layer, nb: int) -> bool:
             and (nb // 2 + 1) * c.h >= A8_XROWS_L2 * TARGETS[c.spec.arch].l2_bytes)
 
 
+# FP8 activations: the gate/up GEMMs whose k-loop has at least A8_IDLE_KTILES k-tiles (K = H of at
+# least 4096) let a consumer warpgroup whose 64-row tile has no rows (the second half of an expert's
+# last 128-row tile, where it has 64 rows or fewer) wait for and release each stage without its
+# products, leaving the tensor cores to the other warpgroup. On the H200 (2026-12-03, one process,
+# the same bits, us per layer, medians of 4-5 rounds, without -> with): DeepSeek-V3-FP8-a8 (56
+# k-tiles) 8035.0 -> 7868.8 at N = 6144, 9991.7 -> 9808.5 at 8192; its down GEMM (16 k-tiles)
+# 8035.0 -> 8075.3 / 9991.7 -> 9952.3; Qwen3-30B-A3B-FP8-a8's gate/up (16 k-tiles) 370.1 -> 379.1 at
+# N = 2048, 1121.3 -> 1126.6 at 8192, its down (6) 370.6 / 1139.7.
+A8_IDLE_KTILES = 32
+
+
+def a8_idle(c: Layer) -> bool:
+    """Whether the FP8-activation gate/up GEMMs skip the products of a warpgroup without rows (A8_IDLE_KTILES)."""
+    return c.h // 128 >= A8_IDLE_KTILES
+
+
 def chunks(c: Layer, tokens: int) -> int:
     return -(-tokens * c.k // GROUP_THREADS)
 
@@ -357,16 +373,18 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
         on row groups of two tiles), BULK (weight runs by bulk copies), F4 (FP4 weights), WOI (the
         routing weight on the input: the routed gate/up GEMM scales gate and up by it), BIAS (the
         routed experts' biases), BNT (the tile's tokens; the shared expert's tile where its format's
-        differs), PT8 (FP8 per-tensor weights), STY (the down GEMM's Y tile staged, stage_y) and
-        XROWS (A8: the routed gate/up GEMM's x codes a row per (token, choice), a8_xrows) up to the
+        differs), PT8 (FP8 per-tensor weights), STY (the down GEMM's Y tile staged, stage_y), XROWS
+        (A8: the routed gate/up GEMM's x codes a row per (token, choice), a8_xrows) and IDLE (A8: a
+        consumer warpgroup whose tile has no rows skips the block's products, a8_idle) up to the
         last that is not its default."""
         pair = gated == "false" and tile.down_pair
         full = [gated, mats, gather or gated, *(str(v).lower() for v in (tile.fp8, tile.a8, pair,
                                                                           tile.bulk_a and (gated == "true" or pair))),
                 FP4_MACRO.get(tile.fp4, "0"), str(woi).lower(), str(bias).lower(), str(tile.bn),
-                str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower(), str(rows).lower()]
+                str(tile.fp8_tensor).lower(), str(pair and tile.stage_y).lower(), str(rows).lower(),
+                str(tile.a8 and gated == "true" and a8_idle(c)).lower()]
         default = [None, None, gated, "false", "false", "false", "false", "0", "false", "false", str(layer_bn), "false",
-                   "false", "false"]
+                   "false", "false", "false"]
         while full[-1] == default[len(full) - 1]:
             full.pop()
         return tuple(full)

@@ -4,7 +4,9 @@
 
 A tuning may follow the counts: qwen3-30b-a3b:1@single_tags=1,down_tiles=1 (integer values). A `+xrows`
 after the name gives every prefill bucket of an FP8-activation layer x's codes a row per (token,
-choice) (moegen.prefill_plan.A8_XROWS_L2 = 0), so that a layer small enough for racecheck runs that path.
+choice) (moegen.prefill_plan.A8_XROWS_L2 = 0), so that a layer small enough for racecheck runs that path;
+`+idle` gives its gate/up GEMMs the skip of a warpgroup without rows (A8_IDLE_KTILES = 0): both as
+qwen3-30b-a3b-fp8-a8+xrows+idle:3000.
 """
 
 import sys
@@ -23,12 +25,13 @@ from moegen.runtime import load
 from moegen.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-XROWS_L2 = prefill_plan.A8_XROWS_L2
+XROWS_L2, IDLE_KTILES = prefill_plan.A8_XROWS_L2, prefill_plan.A8_IDLE_KTILES
 
 for arg in sys.argv[1:]:
     name, rest = arg.split(":")
-    name, xrows, _ = name.partition("+xrows")
-    prefill_plan.A8_XROWS_L2 = 0.0 if xrows else XROWS_L2
+    name, *flags = name.split("+")
+    prefill_plan.A8_XROWS_L2 = 0.0 if "xrows" in flags else XROWS_L2
+    prefill_plan.A8_IDLE_KTILES = 0 if "idle" in flags else IDLE_KTILES
     counts, _, tuned = rest.partition("@")
     spec = load_spec(ROOT / "specs" / f"{name}.yaml")
     plan = make_plan(spec, tuning=Tuning(**{k: int(v) for k, v in (kv.split("=") for kv in tuned.split(",") if kv)}))

@@ -402,8 +402,31 @@ def test_fp8_activation_gemms_read_their_rows_in_order_by_maps_over_the_codes_th
             assert rows == {"xq": spec.max_tokens, "actq_s": spec.max_tokens}.get(m.weight, spec.max_tokens * plan.top_k)
             assert (m.elem, m.swizzle, m.box) == (1, 128, (128, 64)), m
             assert (k.name.endswith("_xrows_" + plan.arch)) == (routed_gate_up and xrows), k.name
-            assert ("true" == k.targs[-1] and len(k.targs) == 14) == (routed_gate_up and xrows), k.targs
+            assert (k.targs[13:14] == ("true",)) == (routed_gate_up and xrows), k.targs
     assert len(seen) == (9 if plan.shared_inter else 4)  # the 64-row pairs', the 128-row tiles', xrows' gate/up
+
+
+@pytest.mark.parametrize("name,idle", [("deepseek-v3-fp8-a8", True), ("qwen3-30b-a3b-fp8-a8", False),
+                                       ("kimi-k2-fp8", False)])
+def test_fp8_activation_gate_up_gemms_skip_empty_tiles_where_their_k_loop_is_long(name, idle):
+    """The FP8-activation gate/up GEMMs (routed and shared) take IDLE, their last template argument,
+    where K = H gives at least A8_IDLE_KTILES k-tiles of 128 (DeepSeek-V3's 7168: 56; Qwen3-30B-A3B's
+    2048: 16); down GEMMs never, nor the GEMMs on bf16 activations."""
+    from pathlib import Path
+
+    from moegen.plan import make_plan
+    from moegen.prefill_plan import A8_IDLE_KTILES
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    plan = make_plan(spec)
+    assert (plan.hidden // 128 >= A8_IDLE_KTILES) == (plan.hidden == 7168)
+    gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+    assert gemms
+    for k in gemms:
+        gated, a8 = k.targs[0] == "true", k.targs[4:5] == ("true",)
+        assert (k.targs[14:15] == ("true",)) == (idle and gated and a8), (k.name, k.targs)
+        assert len(k.targs) <= 15
 
 
 def _compiles_clean(spec, plan, kernels) -> None:

@@ -2664,7 +2664,7 @@ MOE_DEVICE float ldsf(u32 addr) {
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
           bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
-          bool STY = false, bool XROWS = false>
+          bool STY = false, bool XROWS = false, bool IDLE = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2672,6 +2672,7 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
                              const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr,
                              const void* __restrict__ xmap = nullptr) {
+  static_assert(!IDLE || (A8 && GATED), "IDLE: the FP8-activation gate/up GEMMs");
   if constexpr (A8) {
     static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");

@@ -2687,12 +2687,13 @@ MOE_DEVICE float ldsf(u32 addr) {
 // a box of the tensor map xmap a tile; their scales beside. Each K block's products
 // go to their own accumulators, two sets in turn: a k-tile's group is issued before the previous
 // one's products, times the weight block's scale and each token's, are added to the sums in fp32
-// (as the reference scales each block). A token row's
-// products are the same whatever the other tile of its block. HALVES: the table cut at 128 rows
-// instead, a block taking one tile, its two 64-row halves (one expert: one weight box), where the
-// routed experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
+// (as the reference scales each block). A token row's products are the same whatever the other
+// tile of its block. IDLE: a warpgroup whose tile has no rows waits for and releases each stage of
+// the block without products (prefill_plan.a8_idle). HALVES: the table cut at 128 rows instead, a
+// block taking one tile, its two 64-row halves (one expert: one weight box), where the routed
+// experts get many rows each. GATED writes H = act(gate, up) in column order, bf16 (the
 // quantization kernel reads it); otherwise Y bf16 [P][n_out].
-template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false, bool XROWS = false>
+template <bool GATED, bool GATHER, bool CLAMP, bool HALVES = false, bool XROWS = false, bool IDLE = false>
 MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restrict__ tok, const int* __restrict__ tiles,
                                 void* __restrict__ out, int n_out, int k_dim, int row_tiles, int experts, int n,
                                 int topk, int extra, const float* __restrict__ sc, const float* __restrict__ xs,
@@ -2874,6 +2875,15 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
     const Pair q = pair_of(b);
     if (q.rows[0] <= 0) continue;
     const int e = wg ? q.e[1] : q.e[0], row0 = wg ? q.row0[1] : q.row0[0], rows = wg ? q.rows[1] : q.rows[0];  // this warpgroup's tile
+    if (IDLE && rows <= 0) {  // no rows: each stage waited for and released, without products
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const u32 g = (u32)(gk + kt);
+        mbar_wait(full + (g % S) * 8, (g / S) & 1);
+        gg::mbar_arrive(empty + (g % S) * 8);
+      }
+      gk += ktiles;
+      continue;
+    }
     w_off = X_BYTES + (wg == 1 && q.e[1] != q.e[0] ? W_BYTES : 0);
     const int c0 = gg::row_unit(q.rb, 4, units) * (GATED ? 16 : 32);  // the block's first column of the output
     scw = sc + ((size_t)e * (n_out / 128) + c0 / 128) * (k_dim / 128);
@@ -2929,7 +2939,7 @@ MOE_DEVICE void prefill_gemm_a8(const void* __restrict__ xp, const int* __restri
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
           bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 64, bool PT8 = false,
-          bool STY = false, bool XROWS = false>
+          bool STY = false, bool XROWS = false, bool IDLE = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
                              int row_tiles, int experts, int n, int topk, int extra,
@@ -2937,11 +2947,12 @@ MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict_
                              const float* __restrict__ wrow = nullptr, const float* __restrict__ bias0 = nullptr,
                              const float* __restrict__ bias1 = nullptr, const void* __restrict__ tmap = nullptr,
                              const void* __restrict__ xmap = nullptr) {
+  static_assert(!IDLE || (A8 && GATED), "IDLE: the FP8-activation gate/up GEMMs");
   if constexpr (A8) {
     static_assert(FP8 && BULK && !WOI && !BIAS && !PT8 && !STY && F4 == 0 && (GATED || PAIR) && (BNT == 64 || BNT == 128),
                   "FP8 activations: FP8 block weights, gate/up or the down GEMM on row-group pairs");
     // (BNT 128: the table cut at 128 rows, a block's warpgroups taking a tile's halves)
-    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128, XROWS>(
+    prefill_gemm_a8<GATED, GATHER, GATHER || ActRule::SHARED_LIMIT, BNT == 128, XROWS, IDLE>(
         xp, tok, tiles, out, n_out, k_dim, row_tiles, experts, n, topk, extra, sc, xs, tmap, xmap);
   } else {
     prefill_gemm_w<GATED, MATS, GATHER, FP8, PAIR, BULK, F4, WOI, BIAS, BNT, PT8, STY>(
