@@ -139,11 +139,11 @@ fi
 if [ "$mode" = all ] || [ "$mode" = sanitize ]; then
   run memcheck compute-sanitizer --tool memcheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
       qwen3-next-80b-a3b:1,64 deepseek-v2-lite:1,64 qwen3-30b-a3b-nvfp4:1,16 qwen3-30b-a3b-fp8:1,16 \
-      mixtral-8x7b:200 qwen3-30b-a3b:1,600
+      mixtral-8x7b:200 qwen3-30b-a3b:1,600 qwen3-30b-a3b-fp8-a8:600,3000 qwen3-30b-a3b-fp8-a8+xrows+idle:3000
   # the quantized layers share each chunk's scales across a warp's lanes through shared memory
   run racecheck compute-sanitizer --tool racecheck --report-api-errors no python3 -W ignore tests/gpu_sanitize.py \
       olmoe-1b-7b:1,16 deepseek-v2-lite:2 qwen3-30b-a3b-mxfp4:1,16 qwen3-30b-a3b-fp8:2 mixtral-8x7b:130 \
-      qwen3-30b-a3b:1
+      qwen3-30b-a3b:1 qwen3-30b-a3b-fp8-a8+xrows+idle:3000
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   for s in qwen3-30b-a3b qwen3-next-80b-a3b mixtral-8x7b; do
