@@ -295,7 +295,7 @@ def a8_xrows(c: Layer, nb: int) -> bool:
 # the same bits, us per layer, medians of 4-5 rounds, without -> with): DeepSeek-V3-FP8-a8 (56
 # k-tiles) 8035.0 -> 7868.8 at N = 6144, 9991.7 -> 9808.5 at 8192; its down GEMM (16 k-tiles)
 # 8035.0 -> 8075.3 / 9991.7 -> 9952.3; Qwen3-30B-A3B-FP8-a8's gate/up (16 k-tiles) 370.1 -> 379.1 at
-# N = 2048, 1121.3 -> 1126.6 at 8192, its down (6) 370.6 / 1139.7.
+# N = 2048, 1121.3 -> 1126.6 at 8192, its down (6) 370.1 -> 370.6 / 1121.3 -> 1139.7.
 A8_IDLE_KTILES = 32
 
 
