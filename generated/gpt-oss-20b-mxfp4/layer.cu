@@ -2734,38 +2734,59 @@ MOE_DEVICE void prefill_scan_body(int* __restrict__ counts, int chunks, int expe
     else  // (rows <= 0 past n: their blocks return)
       put_empty(shared_tiles, t, t * sbm, n_shared - t * sbm);
   }
-  __shared__ int total[512], ntile[512];
+  __shared__ int2 wsum[32];
   __shared__ int tiles_used;
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    int run = 0;
-    for (int c = 0; c < chunks; ++c) {
-      const int v = counts[(size_t)c * experts + e];
-      counts[(size_t)c * experts + e] = run;
-      run += v;
+  // A thread an expert (experts <= 512 < blockDim.x): its chunks' counts become their
+  // prefix, loaded 8 at a time (a store to counts may not move above the next loads, so one load
+  // a trip would make the chunks' round trips serial).
+  const int e = threadIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int run = 0;
+  if (e < experts) {
+    for (int c0 = 0; c0 < chunks; c0 += 8) {
+      int v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = c0 + u < chunks ? counts[(size_t)(c0 + u) * experts + e] : 0;
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (c0 + u < chunks) {
+          counts[(size_t)(c0 + u) * experts + e] = run;
+          run += v[u];
+        }
     }
-    total[e] = run;
-    ntile[e] = (run + bm - 1) / bm;
+  }
+  const int nt = (run + bm - 1) / bm;
+  // each expert's first row and first tile: exclusive sums of (run, nt) over the threads in
+  // expert order (a warp's by shuffles, then the warps' totals by warp 0)
+  int2 inc = make_int2(run, nt);
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, inc.x, o), b = __shfl_up_sync(0xffffffffu, inc.y, o);
+    if (lane >= o) inc = make_int2(inc.x + a, inc.y + b);
+  }
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int2 w = lane < (int)(blockDim.x >> 5) ? wsum[lane] : make_int2(0, 0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, w.x, o), b = __shfl_up_sync(0xffffffffu, w.y, o);
+      if (lane >= o) w = make_int2(w.x + a, w.y + b);
+    }
+    wsum[lane] = w;  // the warps' inclusive sums
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // E <= 512: a serial scan of a few microseconds
-    int row = 0, tile = 0;
-    for (int e = 0; e < experts; ++e) {
-      first[e] = row;
-      const int t0 = tile;
-      row += total[e];
-      tile += ntile[e];
-      ntile[e] = t0;  // now the expert's first tile
-    }
-    first[experts] = row;
-    tiles_used = tile;
+  const int2 base = warp ? wsum[warp - 1] : make_int2(0, 0);
+  const int row0 = base.x + inc.x - run, t0 = base.y + inc.y - nt;  // the expert's first row and tile
+  if (e < experts) first[e] = row0;
+  if (e == experts - 1) {
+    first[experts] = base.x + inc.x;
+    tiles_used = base.y + inc.y;
   }
   __syncthreads();
   for (int t = tiles_used + threadIdx.x; t < max_tiles; t += blockDim.x) put_empty(tiles, t, 0, 0);
   const int gmax = (tiles_used + experts - 1) / experts + 2;  // (the groups' most tiles: two over the average)
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    const int c = (total[e] + bm - 1) / bm;
-    for (int r = 0; r < c; ++r) put_tile(tiles, e, first[e], total[e], bm, ntile[e], r, c, gmax);
-  }
+  if (e < experts)
+    for (int r = 0; r < nt; ++r) put_tile(tiles, e, row0, run, bm, t0, r, nt, gmax);
 }
 // 3. each entry's row: its expert's first row, + its expert's entries in earlier chunks, in
 //    earlier warps of its chunk, in earlier lanes of its warp. tok[row] = its token, slot[entry] =
