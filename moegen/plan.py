@@ -77,6 +77,12 @@ class Kernel:
     cluster: int = 1  # blocks per thread-block cluster (__cluster_dims__ of the kernel)
     part: int = 0  # the program (of Plan.parts) the kernel is compiled in: the source's MOE_PART guards
     min_blocks: int = 0  # blocks a multiprocessor must fit (__launch_bounds__'s second value; 0: none asked)
+    # The wrapper's part in programmatic dependent launch (a no-op where launched without it): ""
+    # none (the body waits itself, or the kernel is launched without it); "first": wait for the
+    # kernel before, let the next one launch, then the body; "last": let the next one launch, the
+    # body, then wait (the body reads nothing the kernels of this call wrote before it, and writes
+    # nothing they read: its completion still implies theirs)
+    dep: str = ""
 
 
 @dataclass(frozen=True)
@@ -395,8 +401,8 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
            if nf else {"kernel_order": ("router (+ route)", "route",
                                          *(("tensor_quant (FP8 per-tensor: x's rows)",) if any(k.family == "tensor_quant" for k in kernels.values()) else ()),
                                          "gate_up", "down + combine",
-                                         *((f"from {pf} tokens, after the route: permute (FP8 activations: quantize)", "count",
-                                            "scan", "place", "gate/up GEMM", "down GEMM", "combine") if pf else ()))}),
+                                         *((f"from {pf} tokens: router, permute (FP8 activations: quantize) beside it, route",
+                                            "count", "scan", "place", "gate/up GEMM", "down GEMM", "combine") if pf else ()))}),
     )
     if any(kernels[ln.kernel].family == "single" for ln in buckets[0].launches):
         # (the one-token kernel reads its maps at 0 and 1: it takes no FP8 activations, whose prefill
@@ -424,11 +430,14 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
         rt = F.router_tiles(c)
         router = F.router_kernel(c, nt_dense, False, ksplit=1, tiles=rt)
+        early, rest = P.launches(c, nb, add)  # early: needs no routing, beside the router (prefill_pdl)
+        beside = c.tune.prefill_pdl
         return Bucket(nb, (
             *norm,
             Launch(add(router), (c.rows_pad // (16 * rt), -(-nb // (8 * nt_dense))), WARPS * 32, pdl=True),
+            *(early if beside else ()),
             Launch(route_name, (-(-nb // (F.ROUTE_THREADS // 32)), 1), F.ROUTE_THREADS, pdl=True),
-            *P.launches(c, nb, add)))
+            *(() if beside else early), *rest))
     head = (
         *norm,
         # past the fused buckets the router takes 32-token passes (one kernel for them all: a pass

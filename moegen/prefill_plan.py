@@ -3,12 +3,14 @@ as grouped GEMMs on the tensor cores (templates/grouped_gemm.cu.j2) instead of t
 the kernels that do it, their launches and their workspace.
 
 A prefill bucket runs the norm (where the layer has one), the router and the route kernel as a
-decode bucket does (they write each token's experts and weights), then:
-permute (X', K in the packed tiles' order) -> count, scan, place (tokens grouped by expert, a
-stable counting sort; the tile table) -> gate/up GEMM with the activation (H', bf16) -> down GEMM
-(Y, bf16 per (token, choice) row) -> combine (the weighted sum of a token's choices in choice
-order, zero experts adding weight * x). The GEMMs read the decode path's packed weights (no
-second copy) as wgmma's register operand. Every output element is one fixed sequence of k-steps,
+decode bucket does (they write each token's experts and weights), with permute (X', K in the
+packed tiles' order; it needs no routing) between them, beside the router, then:
+count, scan, place (tokens grouped by expert, a stable counting sort; the tile table) -> gate/up
+GEMM with the activation (H', bf16) -> down GEMM (Y, bf16 per (token, choice) row) -> combine
+(the weighted sum of a token's choices in choice order, zero experts adding weight * x). The
+kernels up to place are launched with programmatic dependence on the one before (Tuning.prefill_pdl),
+the GEMMs and the combine without. The GEMMs read the decode path's packed weights (no second
+copy) as wgmma's register operand. Every output element is one fixed sequence of k-steps,
 whatever the other tokens: batch-invariant within the bucket.
 """
 
@@ -356,11 +358,11 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
     si = c.si
 
     def kern(family: str, name: str, threads: int, targs: tuple[str, ...], sig: tuple, args: tuple[str, ...],
-             body: str, comment: str, tile: GemmTiles = t) -> Kernel:
+             body: str, comment: str, tile: GemmTiles = t, dep: str = "") -> Kernel:
         return Kernel(f"moe_prefill_{name}_{arch}", f"prefill_{family}", threads, targs, tuple(s[0] for s in sig), args,
                       tuple(s[2] for s in sig), body, comment,
                       min_blocks=(1 if ws_cap(tile) and family.startswith("gemm") else
-                                  down_blocks if family.startswith("gemm_down") else 0))
+                                  down_blocks if family.startswith("gemm_down") else 0), dep=dep)
 
     def gemm_tag(tile: GemmTiles) -> str:
         return f"bm{tile.bm}_bn{tile.bn}_s{tile.stages}" + ("_ws" if tile.ws else "") + ("_bulk" if tile.bulk_a else "")
@@ -452,10 +454,11 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
                         (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
                         ("x", "xp", str(h), "blockIdx.x", f"blockIdx.y * {EW_THREADS} + threadIdx.x"),
-                        "prefill_permute_body", "prefill: X' (each 32-wide K chunk in the packed tiles' order)"),
+                        "prefill_permute_body", "prefill: X' (each 32-wide K chunk in the packed tiles' order)",
+                        dep="last"),
         "count": kern("count", f"count_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, n),
                       ("ids", f"n * {k}", str(e), "counts"), "prefill_count_body",
-                      "prefill: entries per expert in each chunk of 1024 (token, choice) entries"),
+                      "prefill: entries per expert in each chunk of 1024 (token, choice) entries", dep="first"),
         "scan": kern("scan", f"scan_e{e}_k{k}_r{t.packed_rows}_n{c.nmax}{'_shared' if si else ''}"
                      + ("_halves" if halves else "")  # (its table sized for the layer's 64-row tiles)
                      + (f"_r{ts.packed_rows}" if si and ts.packed_rows != t.packed_rows else ""), GROUP_THREADS, (),
@@ -465,13 +468,13 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
                       *(("n", "stiles", str(shared_tiles(c, c.nmax))) if si else ()),
                       *((str(ts.packed_rows),) if si and ts.packed_rows != t.packed_rows else ())), "prefill_scan_body",
                      f"prefill: each expert's first row and the tile table ({t.packed_rows} token rows a tile)"
-                     + ("; the shared expert's tiles" if si else "")),
+                     + ("; the shared expert's tiles" if si else ""), dep="first"),
         "place": kern("place", f"place_e{e}_k{k}" + ("_winput" if c.woi else ""), GROUP_THREADS,
                       ("true",) if c.woi else (), (ids, counts, first, tok, slot, *((topk_w, wrow) if c.woi else ()), n),
                       ("ids", f"n * {k}", str(e), str(k), "counts", "first", "tok", "slot",
                        *(("wts", "wrow") if c.woi else ())), "prefill_place_body",
                       "prefill: each (token, choice) entry's row, grouped by expert in a stable order"
-                      + (", and its routing weight" if c.woi else "")),
+                      + (", and its routing weight" if c.woi else ""), dep="first"),
         "gemm_gate_up": kern("gemm_gate_up", f"gate_up_e{e}_k{k}_h{h}_i{i}_{gemm}_{wf}_{c.act_tag}"
                              + ("_winput" if c.woi else "") + ("_xrows" if xr else ""), t.packed_threads,
                              targs("true", "2", "false" if t.fp8_tensor else "", woi=c.woi, bias=c.bias, rows=xr),
@@ -518,7 +521,8 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
                                ("unsigned char* __restrict__ xq", None, "ws.xq"), ("float* __restrict__ sx", None, "ws.sx"),
                                n),
                               ("x", "xq", "sx", str(h), "n"), "prefill_quant_body",
-                              "prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER")
+                              "prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER",
+                              dep="last")
         shared_q = ((("const bf16_t* __restrict__ hs", None, "ws.act_s"),
                      ("unsigned char* __restrict__ hsq", None, "ws.actq_s"), ("float* __restrict__ sas", None, "ws.sas"))
                     if si else ())
@@ -533,7 +537,7 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
                                   "prefill_quant_x_rows_body",
                                   "prefill: x as e4m3 codes per token and 128 channels (FP8 activations), in A8_ORDER, "
                                   "a row per (token, choice) in the tile table's order"
-                                  + (" and a row per token (the shared expert's)" if si else ""))
+                                  + (" and a row per token (the shared expert's)" if si else ""), dep="first")
         out["quant_h"] = kern("quant", f"quant_h_i{i}_k{k}" + (f"_si{si}" if si else ""), QUANT_THREADS, (),
                               (("const bf16_t* __restrict__ h", None, "ws.act"),
                                ("unsigned char* __restrict__ hq", None, "ws.actq"), ("float* __restrict__ sa", None, "ws.sa"),
@@ -550,7 +554,7 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
                               ("x", "tok", "tiles", "s13", "4", "xp", str(h), "blockIdx.y",
                                f"blockIdx.x * {EW_THREADS} + threadIdx.x"), "prefill_quant_tile_body",
                               "prefill: each routed row of x quantized by its expert's static input scale, in the "
-                              "packed K order (FP8 per-tensor)")
+                              "packed K order (FP8 per-tensor)", dep="first")
         out["quant_h"] = kern("quant", f"quant_h_i{i}_fp8t", EW_THREADS, ("false",),
                               (("bf16_t* h", None, "ws.act"), table, ("const float* __restrict__ s2", None, "w.s2")),
                               ("h", "nullptr", "tiles", "s2", "2", "h", str(i), "blockIdx.y",
@@ -625,8 +629,12 @@ def a8_token_maps(c: Layer) -> dict[str, int]:
     return {m.weight: i for i, m in enumerate(a8_tensor_maps(c)) if m.workspace}
 
 
-def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
-    """The prefill kernels' launches for calls of up to nb tokens (after the router and route)."""
+def launches(c: Layer, nb: int, add: object) -> tuple[tuple[Launch, ...], tuple[Launch, ...]]:
+    """The prefill kernels' launches for calls of up to nb tokens: (the one that needs no routing,
+    X' or x's codes a row per token, its kernel's dep "last"; the rest, after the route). With
+    prefill_pdl the kernels before the GEMMs are launched with programmatic dependence on the
+    kernel before, and the first part goes between the router and the route (moegen.plan), where
+    it runs beside the router."""
     from .plan import Launch
 
     halves, xrows = a8_halves(c, nb), a8_xrows(c, nb)
@@ -669,4 +677,10 @@ def launches(c: Layer, nb: int, add: object) -> tuple[Launch, ...]:
     if t.fp8_tensor:  # gate/up, the quantization of H', then down
         experts = {"gemm_gate_up": experts["gemm_gate_up"], "quant_h": per_tile(c.i), "gemm_down": experts["gemm_down"]}
     grids = {**first, **group, **experts, "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}
-    return tuple(Launch(add(ks[f]), grid, block, False, smem) for f, (grid, block, smem) in grids.items())
+    pdl = c.tune.prefill_pdl
+
+    def run(part: dict, pdl: bool) -> tuple[Launch, ...]:
+        return tuple(Launch(add(ks[f]), grid, block, pdl, smem) for f, (grid, block, smem) in part.items())
+
+    # the GEMMs and what follows them without programmatic dependence (prefill_pdl: measured slower with it)
+    return run(first, pdl), run(group, pdl) + run({**experts, "combine": grids["combine"]}, False)

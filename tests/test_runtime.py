@@ -530,6 +530,30 @@ def test_one_token_kernel_for_fp4_weights_compiles_and_launches(fake_cuda, fmt):
     _check_pointers(fake_cuda, small, splan)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "specs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_prefill_launches_with_programmatic_dependence_wait_for_the_kernel_before(path):
+    """A kernel launched with programmatic dependence may start before the one before it ends: every
+    prefill kernel so launched waits for it (its wrapper's griddepcontrol.wait, Kernel.dep), first,
+    or last where its body reads nothing this call wrote (X', x's codes a row per token): that one
+    comes right after the router, whose body waits first, so every kernel it starts beside has its
+    inputs, and its own end still implies the router's for the kernel after it."""
+    plan = make_plan(load_spec(path))
+    seen = 0
+    for b in plan.buckets:
+        ks = [plan.kernel(ln.kernel) for ln in b.launches]
+        for i, (ln, k) in enumerate(zip(b.launches, ks)):
+            if not k.family.startswith("prefill_"):
+                assert k.dep == "", k.name  # (the other families' bodies wait themselves)
+                continue
+            assert not ln.pdl or k.dep in ("first", "last"), (b.max_tokens, k.name)
+            if k.dep == "last":
+                seen += 1
+                assert ln.pdl and ks[i - 1].family == "router" and b.launches[i + 1].pdl, (b.max_tokens, k.name)
+            if "gemm" in k.family or k.family == "prefill_combine":
+                assert not ln.pdl and k.dep == "", (b.max_tokens, k.name)  # (measured slower with it)
+    assert seen or not plan.prefill_from or any(k.family == "prefill_quant" and "fp8t" in k.name for k in plan.kernels)
+
+
 def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     """From the plan's crossover (the first bucket whose every N gives the experts 10 tokens each) the
     buckets run the prefill kernels after the route (its K-split router replaced by one that
@@ -541,12 +565,20 @@ def test_prefill_buckets_launch_the_grouped_gemms(fake_cuda):
     assert plan.prefill_from == 256  # 16 experts, top-2: 10 tokens each from N = 80, the bucket of 129..256
     assert [b.max_tokens for b in plan.buckets if b.max_tokens >= plan.prefill_from] == [256, 512, 1024]
     fams = [plan.kernel(ln.kernel).family for ln in plan.buckets[-1].launches]
-    assert fams == ["router", "route", "prefill_permute", "prefill_count", "prefill_scan", "prefill_place",
+    # X' needs no routing: it runs beside the router, its wait at its end (prefill_pdl)
+    assert fams == ["router", "prefill_permute", "route", "prefill_count", "prefill_scan", "prefill_place",
                     "prefill_gemm_gate_up", "prefill_gemm_down", "prefill_combine"]
+    # programmatic dependence up to the GEMMs, each of those kernels waiting for the one before
+    assert [ln.pdl for ln in plan.buckets[-1].launches] == [True] * 6 + [False] * 3
+    deps = [plan.kernel(ln.kernel).dep for ln in plan.buckets[-1].launches]
+    assert deps == ["", "last", "", "first", "first", "first", "", "", ""]
     names = [ln.kernel for ln in plan.buckets[-1].launches]
-    assert "_ks1_" in names[0] and names[1].endswith("_g128_sm_90a")
+    assert "_ks1_" in names[0] and names[2].endswith("_g128_sm_90a")
+    plain = make_plan(dict(SPECS)["prefill"], tuning=Tuning(prefill_pdl=False))  # the order before, no PDL
+    assert [plain.kernel(ln.kernel).family for ln in plain.buckets[-1].launches] == [fams[0], fams[2], fams[1], *fams[3:]]
+    assert [ln.pdl for ln in plain.buckets[-1].launches] == [True, True] + [False] * 7
     decode_routes = {ln.kernel for b in plan.buckets[:-3] for ln in b.launches if plan.kernel(ln.kernel).family == "route"}
-    assert decode_routes == {names[1]}  # the decode buckets' route is the same kernel
+    assert decode_routes == {names[2]}  # the decode buckets' route is the same kernel
     assert all("prefill" not in plan.kernel(ln.kernel).family for b in plan.buckets[:-3] for ln in b.launches)
     _check_pointers(fake_cuda, dict(SPECS)["prefill"], plan)
     assert plan.prefill_tiles[3] and any("_ws_" in k.name for k in plan.kernels)  # the producer warpgroup's

@@ -4,7 +4,7 @@
 // E=128 routed experts, top-8, H=4096, I=1408, shared expert I=1408.
 // Routing: sigmoid over 128 experts (fp32 logits) + correction bias for selection -> top-8 -> renormalize.
 // Weights: bf16 packed into m16n8k16 fragment order; per expert 34603008 bytes.
-// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens, after the route: permute (FP8 activations: quantize) -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
+// Kernels per call: one token: single (router, route, gate/up, down + sum) -> more tokens: router (+ route) -> route -> gate_up -> down + combine -> from 256 tokens: router, permute (FP8 activations: quantize) beside it, route -> count -> scan -> place -> gate/up GEMM -> down GEMM -> combine; launch geometry per token bucket is
 // in the launcher and manifest.
 // ---- common: raw bf16 bits, tensor-core fragments, streaming loads, launch dependencies ----
 // No CUDA headers: the file compiles with NVRTC alone, which keeps a cold build fast.
@@ -4288,33 +4288,35 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e128_h4096_i1408_k8_n
   down_body<44, 44, 3, 4, 4, 3, 3, 2, 128, 4096, 8, false, MOE_W_BF16, MOE_W_BF16, 128, false>(w2, ws2, s2, ss2, act, act_s, num_slots, slot_expert, slot_begin, y, ys, topk_w, pair_pos, gate_s, tile_done, out, n);
 }
 #endif
-// router: 128 rows x 4096, K split 1 ways, 32 tokens per pass, 4 row tiles a block
-#if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks1_nt4_rt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
-  router_logits_body<128, 4, 4, 2, 1, 128, 16384, false, 1, 1, false, 4>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
-}
-#endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h4096_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
+  grid_dep_launch();
   prefill_permute_body(x, xp, 4096, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
+  grid_dep_wait();
 }
 #endif
 // prefill: entries per expert in each chunk of 1024 (token, choice) entries
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
   prefill_count_body(ids, n * 8, 128, counts);
 }
 #endif
 // prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e128_k8_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
   prefill_scan_body(counts, (n * 8 + 1023) / 1024, 128, 128, 1152, first, tiles, n, stiles, 128);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e128_k8_sm_90a(const int* __restrict__ ids, int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tok, int* __restrict__ slot, int n) {
+  grid_dep_wait();
+  grid_dep_launch();
   prefill_place_body(ids, n * 8, 128, 8, counts, first, tok, slot);
 }
 #endif
@@ -4346,5 +4348,11 @@ extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h4096_
 #if !defined(MOE_PART) || MOE_PART == 0
 extern "C" __global__ void __launch_bounds__(256) moe_prefill_combine_h4096_k8_shared_sm_90a(const bf16_t* __restrict__ y, int* __restrict__ slot, const float* __restrict__ wts, const bf16_t* __restrict__ x, bf16_t* __restrict__ out, const bf16_t* __restrict__ ys) {
   prefill_combine_body(y, slot, wts, x, out, 4096, 8, blockIdx.x, (blockIdx.y * 256 + threadIdx.x) * 4, ys, nullptr);
+}
+#endif
+// router: 128 rows x 4096, K split 1 ways, 32 tokens per pass, 4 row tiles a block
+#if !defined(MOE_PART) || MOE_PART == 1
+extern "C" __global__ void __launch_bounds__(128) moe_router_r128_h4096_ks1_nt4_rt4_n16384_bf16_sm_90a(const uint4* __restrict__ wr, const bf16_t* __restrict__ x, float* logits, int* route_done, const float* __restrict__ corr_bias, const float* __restrict__ router_bias, int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ pair_pos, float* __restrict__ gate_s, int* __restrict__ num_slots, int* __restrict__ slot_expert, int* __restrict__ slot_begin, int* __restrict__ slot_token, int n) {
+  router_logits_body<128, 4, 4, 2, 1, 128, 16384, false, 1, 1, false, 4>(wr, x, logits, route_done, corr_bias, router_bias, topk_ids, topk_w, pair_pos, gate_s, num_slots, slot_expert, slot_begin, slot_token, n);
 }
 #endif
