@@ -149,14 +149,14 @@ class Tuning:
     prefill_shared: bool = True
     # The prefill kernels before the GEMMs launched with programmatic dependence on the kernel
     # before (each waits for it, griddepcontrol.wait, before it reads anything; moegen.plan.Kernel.dep),
-    # and the kernel that needs no routing (X' permute; FP8 activations: x's quantization where its
-    # codes are a row per token) between the router and the route, its work before its wait, so
-    # that it runs beside the router. On the H200 (2026-12-03, one process, the same bits, us per
-    # layer, medians of 8 rounds, without -> with): Qwen3-30B-A3B 347.5 -> 344.3 / 457.2 -> 453.6 /
-    # 1293.5 -> 1292.0 at N = 600 / 2048 / 8192, -FP8-a8 364.0 -> 355.5 / 1064.5 -> 1060.2 at 2048 /
-    # 8192. The GEMMs and what follows them stay plain launches: with programmatic dependence too,
-    # 457.2 at Qwen3-30B-A3B's 2048 and 1103.0 at -FP8-a8's 8192. False: plain launches, that
-    # kernel after the route.
+    # and the kernel that needs no routing (X' permute, grid-strided; FP8 activations: x's
+    # quantization where its codes are a row per token) between the router and the route, its work
+    # before its wait, so that it runs beside the router. On the H200 (2026-12-03, one process, the
+    # same bits, us per layer, medians of 8 rounds, without -> with): Qwen3-30B-A3B 346.3 -> 341.6 /
+    # 454.8 -> 447.8 at N = 600 / 2048 (8192 within the rounds' spread), -FP8-a8 364.0 -> 355.5 at
+    # 2048. The GEMMs and what follows them stay plain launches: with programmatic dependence too,
+    # Qwen3-30B-A3B's 2048 lost the gain and -FP8-a8's 8192 went 1060.2 -> 1103.0. False: plain
+    # launches, that kernel after the route.
     prefill_pdl: bool = True
     # The one-token bucket as a single launch (single_layout: where its down weights fit in shared
     # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.

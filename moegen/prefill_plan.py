@@ -91,6 +91,8 @@ A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
+# X' permute blocks a multiprocessor (grid-strided, all resident: it waits for the router at its end)
+PERMUTE_PER_SM = 4
 
 
 def tiles(c: Layer, fmt: str = "") -> GemmTiles:
@@ -452,8 +454,8 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
     down_blocks = 2 if not t.ws and sm_smem // (t.down_smem_bytes + 1024) >= 2 else 0
     out = {
         "permute": kern("permute", f"permute_h{h}", EW_THREADS, (),
-                        (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp")),
-                        ("x", "xp", str(h), "blockIdx.x", f"blockIdx.y * {EW_THREADS} + threadIdx.x"),
+                        (("const bf16_t* __restrict__ x", None, c.x_expert), ("bf16_t* __restrict__ xp", None, "ws.xp"), n),
+                        ("x", "xp", str(h), "n"),
                         "prefill_permute_body", "prefill: X' (each 32-wide K chunk in the packed tiles' order)",
                         dep="last"),
         "count": kern("count", f"count_e{e}_k{k}", GROUP_THREADS, (), (ids, counts, n),
@@ -650,7 +652,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[tuple[Launch, ...], tuple[
             -(-n_out // rows), -(-n_tiles // 2) if tile.a8 and not halves else n_tiles)
 
     first = ({"quant_x": ((quant_blocks(nb * (c.h // 128)), 1), QUANT_THREADS, 0)} if t.a8 else {} if t.fp8_tensor else
-             {"permute": (("n", -(-c.h // (2 * EW_THREADS))), EW_THREADS, 0)})
+             {"permute": (("sms", PERMUTE_PER_SM), EW_THREADS, 0)})
     group = {"count": ((chunks(c, nb), 1), GROUP_THREADS, 0), "scan": ((1, 1), GROUP_THREADS, 0),
              "place": ((chunks(c, nb), 1), GROUP_THREADS, 0)}
 

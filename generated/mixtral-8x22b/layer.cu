@@ -2845,14 +2845,30 @@ MOE_DEVICE void prefill_combine_body(const bf16_t* __restrict__ y, const int* __
   *reinterpret_cast<uint2*>(out + (size_t)t * hidden + c) = make_uint2(pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]));
 }
 // X' from X [n][hidden]: each 32-wide chunk in the GEMV tiles' K order (moegen.prefill.permute_k):
-// position 16s + 8q + 2t + jj holds column 8t + 4s + 2q + jj. One pair of columns (pair) of
-// token t a thread.
-MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp, int hidden, int t,
-                                     int pair) {
-  if (2 * pair >= hidden) return;
-  const int at = 2 * pair, c = at & 31, s = c >> 4, q = (c >> 3) & 1, tt = (c >> 1) & 3;
-  const int col = (at & ~31) + 8 * tt + 4 * s + 2 * q;
-  *reinterpret_cast<u32*>(xp + (size_t)t * hidden + at) = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+// position 16s + 8q + 2t + jj holds column 8t + 4s + 2q + jj. A thread moves pairs of columns
+// (4-byte words), PERMUTE_UNROLL of them loaded before any is stored, grid-strided over the n x
+// hidden / 2 pairs: the grid is a few blocks a multiprocessor, all resident at once, since in a
+// layer the kernel waits for the router at its end (Kernel.dep "last") and a block that has done
+// its share holds its place until then.
+constexpr int PERMUTE_UNROLL = 4;
+MOE_DEVICE void prefill_permute_body(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp, int hidden, int n) {
+  const unsigned pairs = (unsigned)hidden / 2, total = (unsigned)n * pairs;
+  const unsigned stride = gridDim.x * gridDim.y * blockDim.x;
+  for (unsigned i0 = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x; i0 < total;
+       i0 += PERMUTE_UNROLL * stride) {
+    u32 v[PERMUTE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < PERMUTE_UNROLL; ++u) {
+      const unsigned i = i0 + u * stride, t = i / pairs, at = 2 * (i % pairs), c = at & 31;
+      const unsigned col = (at & ~31u) + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1);
+      if (i < total) v[u] = *reinterpret_cast<const u32*>(x + (size_t)t * hidden + col);
+    }
+#pragma unroll
+    for (int u = 0; u < PERMUTE_UNROLL; ++u) {
+      const unsigned i = i0 + u * stride;
+      if (i < total) *reinterpret_cast<u32*>(xp + (size_t)(i / pairs) * hidden + 2 * (i % pairs)) = v[u];
+    }
+  }
 }
 // FP8 per-tensor weights (PT8): the rows of routed tile `tile` quantized by its expert's static input
 // scale (sc[e * stride + 1]: gate's, equal to up's, which the loader checks; down's), e4m3(v / s)
@@ -3014,9 +3030,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_e8_h6144_i16384_k2_nt
 #endif
 // prefill: X' (each 32-wide K chunk in the packed tiles' order)
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h6144_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp) {
+extern "C" __global__ void __launch_bounds__(256) moe_prefill_permute_h6144_sm_90a(const bf16_t* __restrict__ x, bf16_t* __restrict__ xp, int n) {
   grid_dep_launch();
-  prefill_permute_body(x, xp, 6144, blockIdx.x, blockIdx.y * 256 + threadIdx.x);
+  prefill_permute_body(x, xp, 6144, n);
   grid_dep_wait();
 }
 #endif
