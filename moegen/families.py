@@ -155,8 +155,9 @@ class Tuning:
     # same bits, us per layer, medians of 8 rounds, without -> with): Qwen3-30B-A3B 346.3 -> 341.6 /
     # 454.8 -> 447.8 at N = 600 / 2048 (8192 within the rounds' spread), -FP8-a8 364.0 -> 355.5 at
     # 2048. The GEMMs and what follows them stay plain launches: with programmatic dependence too,
-    # Qwen3-30B-A3B's 2048 lost the gain and -FP8-a8's 8192 went 1060.2 -> 1103.0. False: plain
-    # launches, that kernel after the route.
+    # Qwen3-30B-A3B's 2048 lost the gain and -FP8-a8's 8192 went 1060.2 -> 1103.0; measured one
+    # boundary at a time, the down GEMM's costs 0.8-2.7% and the gate/up GEMM's and the combine's
+    # are within the spread (README, Prefill). False: plain launches, that kernel after the route.
     prefill_pdl: bool = True
     # The one-token bucket as a single launch (single_layout: where its down weights fit in shared
     # memory): router, route, gate/up and down in one resident grid with two grid-wide barriers.
