@@ -205,7 +205,8 @@ PERSISTENT_KTILES = 32  # 64-wide k-tiles up to which a GEMM with a producer war
 # (common.cuh.j2 a8_frags), the decode path's X' unchanged.
 A8_ORDER = tuple(8 * ((L % 16) // 4) + 4 * (L // 16) + (0, 2, 1, 3)[L % 4] for L in range(32))
 DOWN_MATS = (1, 2, 4)  # the down weights' GEMV layouts (16-row tiles grouped 1, 2 or 4 at a time)
-PERMUTE_BLOCKS = 4 * 132  # the standalone X' permute's grid (grid-strided; the layer's: prefill_plan.PERMUTE_PER_SM)
+# X' permute blocks a multiprocessor (grid-strided, all resident: in a layer it waits for the router at its end)
+PERMUTE_PER_SM = 4
 MAX_EXPERTS = 512  # routed experts the grouping kernels handle (shared-memory tables)
 
 # SiLU-gated experts (the activation rule of a plan, templates/act.cuh.j2)
@@ -477,7 +478,7 @@ class PrefillExperts:
         def go(kernel: str, grid: tuple[int, int], block: int, *args: object, smem: int = 0) -> None:
             launch(s, LaunchConfig(grid=grid, block=block, shmem_size=smem), self.kern[kernel], *args)
 
-        go("permute", (PERMUTE_BLOCKS, 1), 256, u64(x), u64(ws["xp"]), i32(self.h), i32(n))
+        go("permute", (PERMUTE_PER_SM * _sms(self.device), 1), 256, u64(x), u64(ws["xp"]), i32(self.h), i32(n))
         go("count", (chunks, 1), 1024, u64(ids), i32(p), i32(self.e), u64(ws["counts"]))
         go("scan", (1, 1), 1024, u64(ws["counts"]), i32(chunks), i32(self.e), i32(t.packed_rows), i32(max_tiles),
            u64(ws["first"]), u64(ws["tiles"]))

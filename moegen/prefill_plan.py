@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .families import FP4_FORMATS, QUANT_THREADS, quant_blocks
-from .prefill import DOWN_MATS, MAX_EXPERTS, TILE_INTS, GemmTiles
+from .prefill import DOWN_MATS, MAX_EXPERTS, PERMUTE_PER_SM, TILE_INTS, GemmTiles
 
 if TYPE_CHECKING:
     from .families import Layer
@@ -91,8 +91,6 @@ A8_TOKENS_PER_EXPERT = 1
 FP4_MACRO = {"mxfp4": "MOE_W_MXFP4", "nvfp4": "MOE_W_NVFP4"}  # prefill_gemm's F4
 GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry of a 1024-entry chunk
 EW_THREADS = 256  # permute and combine
-# X' permute blocks a multiprocessor (grid-strided, all resident: it waits for the router at its end)
-PERMUTE_PER_SM = 4
 
 
 def tiles(c: Layer, fmt: str = "") -> GemmTiles:
@@ -678,7 +676,7 @@ def launches(c: Layer, nb: int, add: object) -> tuple[tuple[Launch, ...], tuple[
             f: experts[f] for f in ("gemm_down", "gemm_down_shared") if f in experts}
     if t.fp8_tensor:  # gate/up, the quantization of H', then down
         experts = {"gemm_gate_up": experts["gemm_gate_up"], "quant_h": per_tile(c.i), "gemm_down": experts["gemm_down"]}
-    grids = {**first, **group, **experts, "combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}
+    combine = {"combine": (("n", -(-c.h // (4 * EW_THREADS))), EW_THREADS, 0)}
     pdl = c.tune.prefill_pdl
 
     def run(part: dict, pdl: bool) -> tuple[Launch, ...]:
@@ -686,4 +684,4 @@ def launches(c: Layer, nb: int, add: object) -> tuple[tuple[Launch, ...], tuple[
 
     # the GEMMs and what follows them without programmatic dependence (prefill_pdl: the down GEMM's
     # measured 0.8-2.7% slower with it, the gate/up GEMM's and the combine's no faster)
-    return run(first, pdl), run(group, pdl) + run({**experts, "combine": grids["combine"]}, False)
+    return run(first, pdl), run(group, pdl) + run({**experts, **combine}, False)
