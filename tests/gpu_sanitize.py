@@ -42,6 +42,9 @@ for arg in sys.argv[1:]:
     for n in map(int, counts.split(",")):
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
         y = torch.full_like(x, float("nan"))
-        layer(x, out=y, stream=torch.cuda.current_stream())
+        vocab = spec.routing.hash_vocab_size  # hash-routed: the tokens' ids, some past the vocabulary
+        ids = None if vocab is None else torch.randint(-vocab // 8, vocab + vocab // 8, (n,), device="cuda",
+                                                       dtype=torch.int32)
+        layer(x, out=y, stream=torch.cuda.current_stream(), token_ids=ids)
         torch.cuda.synchronize()
         print(f"{name} N={n}: finite={bool(torch.isfinite(y).all())} sum={y.float().sum().item():.4f}")
