@@ -23,7 +23,7 @@ The analytic model (decode is memory-bound):
   that saved no dependent launch (the combine is one), so the analytic plan does not fuse.
 - one token (the N = 1 bucket) pays the dependent-launch chain (router -> gate/up -> down) about as
   much as its bytes: where a block's share of the down weights (16 rows of every chosen expert)
-  fits in shared memory beside the reduction space (families.single_layout), the bucket is one
+  fits in shared memory beside the reduction space (single.single_layout), the bucket is one
   cooperative launch of one block per multiprocessor, the down weights streaming into shared
   memory while gate/up runs, with two grid barriers (templates/single.cu.j2);
 - past the point where the routed experts get more tokens each than one GEMV pass takes (8*MAX_NT
@@ -40,6 +40,7 @@ from dataclasses import astuple, dataclass, field, replace
 
 from . import families as F
 from . import prefill_plan as P
+from . import single as S
 from .families import NORM_THREADS, WARPS
 from .spec import Select, Spec
 
@@ -410,7 +411,7 @@ def _make_plan(spec: Spec, target: Target, tuning: F.Tuning | None) -> Plan:
         assert not plan.tensor_maps, "the one-token kernel beside the FP8-activation GEMMs' tensor maps"
         plan = replace(plan, kernel_order=("one token: single (router, route, gate/up, down + sum)",
                                            f"more tokens: {plan.kernel_order[0]}", *plan.kernel_order[1:]),
-                       tensor_maps=F.single_tensor_maps(c, target))
+                       tensor_maps=S.single_tensor_maps(c, target))
     return plan
 
 
@@ -423,8 +424,8 @@ def _bucket(c: F.Layer, target: Target, nb: int, add: Callable[[Kernel], str], n
     nt_dense = _nt(nb)
     fused = nb <= FUSED_ROUTE_MAX  # (fused_max stays within it: the fused buckets route in the router)
     norm = (Launch(norm_name, ("n", 1), NORM_THREADS, pdl=True),) if norm_name else ()
-    if nb <= 2 and nb > nf and F.single_layout(c, target, nb):  # one token (two: single_two): one launch
-        kernel, smem = F.single_kernel(c, target, nb)
+    if nb <= 2 and nb > nf and S.single_layout(c, target, nb):  # one token (two: single_two): one launch
+        kernel, smem = S.single_kernel(c, target, nb)
         return Bucket(nb, (*norm, Launch(add(kernel), ("sms", 1), kernel.threads, pdl=True, smem=smem,
                                        coop=c.tune.single_coop)))
     if pf and nb >= pf:  # the router's grid splits the tokens (not K); the route does not group them
@@ -481,8 +482,8 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False, g
     nmax, k, h, i, si = c.nmax, c.k, c.h, c.i, c.si
     slots_max = min(c.e_local, nmax * k)
     a8, a8e, a8s = c.a8, c.a8_routed, c.a8_shared
-    vb = F.single_cols(c, target) if F.single_layout(c, target) else 0  # down by columns' unit groups
-    ntok = 2 if nmax >= 2 and F.single_layout(c, target, 2) else 1  # tokens of the largest one-launch bucket
+    vb = S.single_cols(c, target) if S.single_layout(c, target) else 0  # down by columns' unit groups
+    ntok = 2 if nmax >= 2 and S.single_layout(c, target, 2) else 1  # tokens of the largest one-launch bucket
     return (
         Buffer("logits", "float32", (c.ksplit, nmax, c.rows_pad)),
         Buffer("topk_ids", "int32", (nmax, k)),
@@ -504,10 +505,10 @@ def _workspace(c: F.Layer, target: Target, nf: int = 0, prefill: bool = False, g
         Buffer("gbar", "int32", (1,)),  # the one-token kernel's grid barrier (a word whose top bit flips)
         # its tagged words (tuning single_tags): partial logits (value, epoch), activations (bf16,
         # epoch), and the epoch with the count of blocks that have read it
-        Buffer("stl", "uint64", (max(c.ksplit, ntok * F.single_ksplit(c)), c.rows_pad)),
+        Buffer("stl", "uint64", (max(c.ksplit, ntok * S.single_ksplit(c)), c.rows_pad)),
         Buffer("stact", "uint32", (k * i + si,)),
         Buffer("sepoch", "uint32", (2,)),
-        # down by columns (families.single_cols): each unit group's partial sum of the output (value, epoch)
+        # down by columns (single.single_cols): each unit group's partial sum of the output (value, epoch)
         Buffer("spart", "uint64", (vb * ntok, h) if vb else (1,)),
         Buffer("xr", "uint16", (nmax, h) if c.spec.router.norm else (1,)),  # RMSNorm(x) for the router
         Buffer("xe", "uint16", (nmax, h) if c.spec.pre_expert_norm else (1,)),  # RMSNorm(x) for the experts

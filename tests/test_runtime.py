@@ -299,7 +299,7 @@ def test_one_token_is_one_cooperative_launch_where_its_down_share_fits(fake_cuda
 
 def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
     """The N = 2 bucket of a layer whose one-token kernel goes down by columns with at most 4 units a
-    group (8 unit-token pairs, families.SINGLE_TWO_PAIRS) is the same kernel for two tokens (`_x2`,
+    group (8 unit-token pairs, moegen.single.SINGLE_TWO_PAIRS) is the same kernel for two tokens (`_x2`,
     its template argument NTOK 2), launched cooperatively on one block per multiprocessor; its
     workspace holds both tokens' tagged logits and partial sums. Layers of 6 units a group
     (DeepSeek-V2-Lite) and the tuning single_two=False keep router, gate/up and down; N = 4 never

@@ -1908,7 +1908,7 @@ MOE_DEVICE void combine_body(const float* __restrict__ part, const float* __rest
 //
 // No floating-point atomics; every sum has a fixed order (the result is the same run to run).
 // BF16, FP8 block or per-tensor, MXFP4 or NVFP4 weights (the shared expert in the routed experts' format), no
-// expert parallelism, biases or identity experts: the plan (moegen.families.single_layout) gives
+// expert parallelism, biases or identity experts: the plan (moegen.single.single_layout) gives
 // this kernel only such layers, and the shapes it fits.
 
 // Grid-wide barrier of a fully resident grid, on one word: every block adds 1, block 0 adds
@@ -2113,7 +2113,7 @@ MOE_DEVICE void route_block_weights(const float* pick, const float* v_all, const
 // took three times as long (its shared-memory accesses queued behind them), and so did the copies
 // asked for after it. (Asking for each expert's rows as it was chosen measured 0.1-0.3 us
 // slower: the copies' issue slowed the rounds.) LATE: the block's down rows asked for as warp 0
-// starts its last round of gate/up loads instead (moegen.families.single_late_down), the memory
+// starts its last round of gate/up loads instead (moegen.single.single_late_down), the memory
 // streaming the gate/up weights first and the down rows behind them, during the activations'
 // exchange.
 // Without TAGS: logits, act, act_s, gbar;
@@ -2178,7 +2178,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
                              RouteRule::ZERO == 0 && !RouteRule::EP;
   constexpr bool BLOCK_ROUTE = TAGS && !OVERLAP && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value;
   constexpr int NACT = K * I + IS;  // activations of the call (TAGS: staged in shared memory for down)
-  // COLS (VB unit groups, moegen.families.single_cols): down by columns. Group v (block v, or in
+  // COLS (VB unit groups, moegen.single.single_cols): down by columns. Group v (block v, or in
   // rounds where the grid has fewer blocks) takes the gate/up units v, v + VB, ... (nu <= UR). Each
   // warp's stream holds, besides its chunks of the units' gate/up weights, its row tiles' fragments
   // of the units' columns of down (a unit's 16 K of every output row): G0, G1, C0, G2, C1, ...,
@@ -2197,7 +2197,7 @@ MOE_DEVICE void single_body(const uint4* __restrict__ wr, const uint4* __restric
   // The order alone, every group waiting for the route, was slower (Next 25.17 -> 25.22, V2-Lite
   // 40.01 -> 40.52), and the shared weights asked for into L2 during the route no faster.
   constexpr bool SFIRST = COLS && TIS > 0;
-  // BROUTE (COLS, one token, moegen.families.single_block_route): the route by the whole block
+  // BROUTE (COLS, one token, moegen.single.single_block_route): the route by the whole block
   // (route_block), no warp waiting for another's choices
   static_assert(!BROUTE || (COLS && NTOK == 1 && ONE_RULES && RouteBlockFits<E, K, RouteRule, THREADS>::value),
                 "the block's route: down by columns, one token, where route_block takes the rule");
