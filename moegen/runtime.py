@@ -26,6 +26,24 @@ ALIGN = 256
 _PDL = os.environ.get("MOEGEN_PDL", "1") != "0"  # MOEGEN_PDL=0 launches without programmatic dependence
 
 
+class DeviceError(RuntimeError):
+    """No CUDA device to run a layer on (no NVIDIA driver, or no device): building needs none, running does."""
+
+
+def _device(device: Any) -> Any:
+    """The cuda.core Device to run on: the one given, else the current one; a DeviceError where this
+    machine has no CUDA driver or device (cuda-python raises its own types for each)."""
+    from cuda.core import Device
+
+    if device is not None:
+        return device
+    try:
+        return Device()
+    except Exception as exc:  # noqa: BLE001 - a missing driver library, a failed cuInit, no device
+        raise DeviceError(f"moegen: a layer runs on an NVIDIA GPU, and this machine offers none "
+                          f"({type(exc).__name__}: {exc})") from exc
+
+
 def _driver() -> Any:
     from cuda.bindings import driver
 
@@ -225,10 +243,8 @@ class Layer:
     """One MoE layer of a generated spec. Weights in the Hugging Face layout (see load_weights)."""
 
     def __init__(self, plan: Plan, cubins: bytes | Sequence[bytes], kernel_names: list[str], device: Any = None) -> None:
-        from cuda.core import Device
-
         self.plan = plan
-        self.device = device if device is not None else Device()
+        self.device = _device(device)
         self.device.set_current()
         self.device_id = int(self.device.device_id)
         self._code = _code(plan, (cubins,) if isinstance(cubins, bytes) else tuple(cubins), kernel_names, self.device)
@@ -542,4 +558,4 @@ def layer_from_files(cuda_file: Path, plan_data: dict, weights: Mapping[str, Any
     return layer
 
 
-__all__ = ["Layer", "View", "load", "to_host"]
+__all__ = ["DeviceError", "Layer", "View", "load", "to_host"]

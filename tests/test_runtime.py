@@ -180,6 +180,22 @@ SMALL = {
 SPECS = [(name, parse_spec({**BASE, **d}, check_generated=False)) for name, d in {**SMALL, **CASES}.items()]
 
 
+def test_a_layer_without_a_device_is_a_typed_error(monkeypatch):
+    """Where cuda.core finds no driver or device (its own exception types: a missing driver library,
+    a failed cuInit), making a layer raises moegen's DeviceError, which names the cause; building
+    needed no GPU, running does."""
+    class NoDriver(Exception):
+        pass
+
+    def no_device() -> None:
+        raise NoDriver("the driver library is not on this machine")
+
+    monkeypatch.setattr(cuda.core, "Device", no_device)
+    plan = make_plan(dict(SPECS)["shared_gate"])
+    with pytest.raises(runtime.DeviceError, match=r"runs on an NVIDIA GPU.*NoDriver: the driver library is not"):
+        runtime.Layer(plan, b"", [k.name for k in plan.kernels])
+
+
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
 def test_every_kernel_gets_every_pointer(fake_cuda, case):
     _check_pointers(fake_cuda, case[1], make_plan(case[1]))
