@@ -213,6 +213,23 @@ def release_torch_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def token_ids_host(spec: Any, n: int, rng: np.random.Generator) -> np.ndarray | None:
+    """Hash-routed layers (routing.hash_vocab_size): n random token ids in [0, vocab), int32, the
+    call's token_ids; None for the other layers."""
+    vocab = spec.routing.hash_vocab_size
+    return None if vocab is None else rng.integers(0, vocab, n, dtype=np.int32)
+
+
+def _random_ids(spec: Any, n: int, rng: np.random.Generator) -> Any:
+    """token_ids_host on the device (PyTorch), or None."""
+    ids = token_ids_host(spec, n, rng)
+    if ids is None:
+        return None
+    import torch
+
+    return torch.from_numpy(ids).to("cuda")
+
+
 def _random_x(plan: Plan, n: int, rng: np.random.Generator) -> Any:
     try:
         import torch
@@ -319,13 +336,15 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
     prepared: list[Any] | None = None
     for n in tokens:
         xs = [_random_x(plan, n, rng) for _ in stack]
-        ms = time_stack(timer, stack, xs) / 1e3
+        ids = [_random_ids(spec, n, rng) for _ in stack]  # (hash-routed layers; else None each)
+        ms = time_stack(timer, stack, xs, ids) / 1e3
         # routed experts only: a zero (identity) expert's index, >= E, reads no weights
         distinct = [int(np.count_nonzero(np.unique(layer.routing(n)[0]) < plan.experts)) for layer in stack]
         need = statistics.mean(floor_bytes(plan, n, d) for d in distinct)
         row = {"tokens": n, "us": ms * 1e3, "distinct_experts": statistics.mean(distinct),
                "floor_bytes": need, "gbps": need / (ms * 1e-3) / 1e9, "roofline_fraction": need / bw / (ms * 1e-3)}
-        marginal = marginal_us(timer, stack, xs, ms * 1e3) if not plan.prefill_from or n <= _decode_max(plan) else 0.0
+        marginal = (marginal_us(timer, stack, xs, ms * 1e3, ids) if not plan.prefill_from or n <= _decode_max(plan)
+                    else 0.0)
         if marginal > 0:  # (the decode buckets: a prefill bucket's time dwarfs the replay's start)
             row["us_marginal"] = marginal
             row["roofline_fraction_marginal"] = need / bw / (marginal * 1e-6)
@@ -338,7 +357,7 @@ def _measure(spec_path: str, tokens: list[int] | None, layers: int, compare: boo
                 row["matrix_rate_dtype"] = rate_dtype
                 row["matrix_fraction"] = row["tflops"] * 1e12 / rate
         if stages:
-            row["stages_us"] = _stage_times(timer, stack, xs, n)
+            row["stages_us"] = _stage_times(timer, stack, xs, n, ids)
         if compare:
             from .baselines import prepare_layers, time_baselines
 
@@ -365,21 +384,23 @@ def _decode_max(plan: Plan) -> int:
     return max((b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from), default=0)
 
 
-def time_stack(timer: _Timer, stack: list[Layer], xs: list[Any]) -> float:
-    """Microseconds per layer: one CUDA graph calls every layer of the stack on its input; the
-    median of REPLAYS replays, divided by the layers."""
-    exe = timer.graph(lambda s: [layer(x, stream=s) for layer, x in zip(stack, xs)])
+def time_stack(timer: _Timer, stack: list[Layer], xs: list[Any], ids: list[Any] | None = None) -> float:
+    """Microseconds per layer: one CUDA graph calls every layer of the stack on its input (and, for
+    hash-routed layers, its tokens' ids); the median of REPLAYS replays, divided by the layers."""
+    ids = ids or [None] * len(stack)
+    exe = timer.graph(lambda s: [layer(x, stream=s, token_ids=t) for layer, x, t in zip(stack, xs, ids)])
     timer.replay(exe)
     return timer.median_ms(lambda: timer.replay(exe), REPLAYS) / len(stack) * 1e3
 
 
-def marginal_us(timer: _Timer, stack: list[Layer], xs: list[Any], us: float) -> float:
+def marginal_us(timer: _Timer, stack: list[Layer], xs: list[Any], us: float, ids: list[Any] | None = None) -> float:
     """Microseconds one more layer adds: the stack replayed twice over in one graph (2L layers, each
     layer's weights read again only after L - 1 others') against the stack once (`us` a layer), so
     that the replay's own start (the graph launch, its first kernel's launch: about 6 us on the H200,
     which `us` spreads over the L layers) drops out. A decode step's graph runs every layer of a
     model, where that start is shared by dozens of layers."""
-    return 2 * time_stack(timer, stack + stack, xs + xs) - us
+    ids = ids or [None] * len(stack)
+    return 2 * time_stack(timer, stack + stack, xs + xs, ids + ids) - us
 
 
 def _can_compare(spec: Any) -> bool:
@@ -400,7 +421,8 @@ def _can_compare(spec: Any) -> bool:
     return True
 
 
-def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> dict[str, float]:
+def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int,
+                 ids: list[Any] | None = None) -> dict[str, float]:
     """Time added by each kernel in the pipeline: graphs of the first j kernels of every layer,
     j = 1 .. all, and the differences of their per-layer times (outputs are not valid here)."""
     from .arrays import view
@@ -412,8 +434,9 @@ def _stage_times(timer: _Timer, stack: list[Layer], xs: list[Any], n: int) -> di
     prev = 0.0
     for j in range(1, len(launches) + 1):
         def body(s: int, j: int = j) -> None:
-            for layer, x in zip(stack, xs):
-                layer._launch(n, view(x, "x").ptr, layer.workspace.ptr("out"), s, limit=j)
+            for layer, x, t in zip(stack, xs, ids or [None] * len(stack)):
+                layer._launch(n, view(x, "x").ptr, layer.workspace.ptr("out"), s, limit=j,
+                              token_ids=0 if t is None else view(t, "token_ids").ptr)
         exe = timer.graph(body)
         timer.replay(exe)
         t = timer.median_ms(lambda exe=exe: timer.replay(exe), REPLAYS) * 1e3 / len(stack)

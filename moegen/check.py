@@ -64,21 +64,60 @@ def gpu_unavailable_reason() -> str | None:
 
 
 def _random_weights(spec: Spec, plan: Plan, rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what the layer takes, what the reference takes): N(0, 1/fan_in) bf16, FP8 block quantized
-    where the spec says so (the reference then reads the dequantized values)."""
-    from .quant import quantize_fp8_block
-    from .weights import expected
+    """(what the layer takes, what the reference takes): N(0, 1/fan_in) weights in the layer's formats,
+    quantized by moegen.quant's recipes where the spec says so (the reference then reads the
+    dequantized values): FP8 block codes and scales; FP8 per-tensor codes, weight scales and static
+    input scales (gate's and up's equal, as calibration on one input makes them); MXFP4 / NVFP4 codes
+    and scales; the hash table (k distinct experts a row). Matrices are quantized one at a time."""
+    from .quant import quantize_fp8_block, quantize_fp8_tensor, quantize_mxfp4, quantize_nvfp4
+    from .weights import tensors
 
     fp8 = {"experts.": spec.experts.format, "shared_expert.": getattr(spec.shared_expert, "format", None)}
-    given, ref = {}, {}
-    for name, shape in expected(plan).items():
-        w = (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(ml_dtypes.bfloat16)
-        if any(name.startswith(p) and f is WeightFormat.fp8_block for p, f in fp8.items()):
-            q = quantize_fp8_block(w.astype(np.float32))
-            given[name], given[f"{name}_scale_inv"] = q.q, q.scale_inv
-            ref[name] = q.dequantize()
+    want = tensors(plan)
+    given: dict[str, Any] = {}
+    ref: dict[str, Any] = {}
+    in_scales: dict[str, np.ndarray] = {}  # FP8 per-tensor: one static input scale a matrix pair
+
+    def each_matrix(shape: tuple[int, ...], k: int, quantize: Callable[[np.ndarray], Any]) -> list[Any]:
+        """quantize(w) of each [R, K] matrix of a [..., R, K] weight, drawn N(0, 1/K)."""
+        return [quantize(rng.standard_normal((shape[-2], k), np.float32) / np.float32(np.sqrt(k)))
+                for _ in range(int(np.prod(shape[:-2], dtype=np.int64)))]
+
+    def stack(parts: list[np.ndarray], lead: tuple[int, ...]) -> np.ndarray:
+        return np.stack(parts).reshape((*lead, *parts[0].shape))
+
+    for name, (shape, dtype) in want.items():
+        if name.endswith(("_scale_inv", "_scale", "_scale_2", "_input_scale")):
+            continue  # made with their weight
+        lead = shape[:-2]
+        if dtype == "int32":  # the hash table: k distinct random experts a row
+            given[name] = ref[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, :shape[1]].astype(np.int32)
+        elif f"{name}_input_scale" in want:  # FP8 per-tensor
+            qs = each_matrix(shape, shape[-1], quantize_fp8_tensor)
+            pair = name.replace("up_proj", "gate_proj")
+            if pair not in in_scales:  # x's amax over 448, about: N(0, 1) rows of a few thousand channels
+                in_scales[pair] = (rng.uniform(3.0, 5.0, lead) / 448.0).astype(np.float32)
+            given[name] = stack([q.q for q in qs], lead)
+            given[f"{name}_scale"] = stack([q.scale for q in qs], lead)
+            given[f"{name}_input_scale"] = ref[f"{name}_input_scale"] = in_scales[pair]
+            ref[name] = stack([q.dequantize(np.float32) for q in qs], lead)
+        elif dtype == "uint8":  # MXFP4 or NVFP4 codes, two a byte
+            k = 2 * shape[-1]
+            nv = f"{name}_scale_2" in want
+            qs = each_matrix(shape, k, quantize_nvfp4 if nv else quantize_mxfp4)
+            given[name] = stack([q.packed for q in qs], lead)
+            given[f"{name}_scale"] = stack([q.scale for q in qs], lead)
+            if nv:
+                given[f"{name}_scale_2"] = stack([q.scale_2[..., 0] for q in qs], lead)
+            ref[name] = stack([q.dequantize(np.float32) for q in qs], lead)
         else:
-            given[name] = ref[name] = w
+            w = (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(ml_dtypes.bfloat16)
+            if any(name.startswith(p) and f is WeightFormat.fp8_block for p, f in fp8.items()):
+                q = quantize_fp8_block(w.astype(np.float32))
+                given[name], given[f"{name}_scale_inv"] = q.q, q.scale_inv
+                ref[name] = q.dequantize()
+            else:
+                given[name] = ref[name] = w
     return given, ref
 
 
@@ -103,17 +142,21 @@ def _host(t: Any) -> np.ndarray:
 def _accuracy(spec: Spec, layer: Any, ref_w: dict[str, Any], n: int, rng: np.random.Generator) -> tuple[bool, str]:
     import torch
 
+    from .bench import token_ids_host
+
     x = torch.from_numpy(rng.standard_normal((n, spec.hidden_size), np.float32)).to("cuda", torch.bfloat16)
+    tids = token_ids_host(spec, n, rng)  # hash-routed layers: the tokens' ids (None otherwise)
     out = torch.full_like(x, float("nan"))  # an element the layer does not write stays NaN
-    layer(x, out=out, stream=torch.cuda.current_stream())
+    layer(x, out=out, stream=torch.cuda.current_stream(),
+          token_ids=None if tids is None else torch.from_numpy(tids).to("cuda"))
     ids, _ = layer.routing(n)
     got, xh, ids = _host(out).astype(np.float64), _host(x), ids.astype(np.int64)
-    r = reference.route(spec, xh, ref_w)
+    r = reference.route(spec, xh, ref_w, token_ids=tids)
     off = ~(np.sort(r.ids, 1) == np.sort(ids, 1)).all(1) & (r.margin >= TIE_TOL)
     if off.any():
         t = int(np.nonzero(off)[0][0])
         return False, f"N={n}: token {t} routed to {sorted(ids[t])}, reference {sorted(r.ids[t])}"
-    want = reference.moe_forward(spec, xh, ref_w, ids=ids)
+    want = reference.moe_forward(spec, xh, ref_w, ids=ids, token_ids=tids)
     if not np.isfinite(got).all():
         return False, f"N={n}: NaN/Inf in the output (an element not written?)"
     err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
@@ -124,23 +167,27 @@ def _accuracy(spec: Spec, layer: Any, ref_w: dict[str, Any], n: int, rng: np.ran
 def _replay(spec: Spec, layer: Any, n: int) -> tuple[bool, str]:
     import torch
 
+    from .bench import token_ids_host
+
     x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tids = token_ids_host(spec, n, np.random.default_rng())
+    t = None if tids is None else torch.from_numpy(tids).to("cuda")  # hash-routed layers: fixed ids for every call
     out = torch.empty_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        layer(x, out=out, stream=side)  # warm-up outside the capture
+        layer(x, out=out, stream=side, token_ids=t)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer(x, out=out, stream=torch.cuda.current_stream())
+        layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=t)
     x.copy_(torch.randn_like(x))
     out.fill_(float("nan"))
     graph.replay()
     eager = torch.empty_like(x)
-    layer(x.clone(), out=eager, stream=torch.cuda.current_stream())
+    layer(x.clone(), out=eager, stream=torch.cuda.current_stream(), token_ids=t)
     again = torch.empty_like(x)
-    layer(x.clone(), out=again, stream=torch.cuda.current_stream())
+    layer(x.clone(), out=again, stream=torch.cuda.current_stream(), token_ids=t)
     torch.cuda.synchronize()
     same_graph = torch.equal(out.view(torch.int16), eager.view(torch.int16))
     same_runs = torch.equal(eager.view(torch.int16), again.view(torch.int16))

@@ -113,7 +113,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
              layers: int = 4, only: tuple[str, ...] = ()) -> int:
     from cuda.core import Device
 
-    from .bench import _layer_count, _random_weights, _random_x, _Timer, release_torch_cache, time_stack
+    from .bench import _layer_count, _random_ids, _random_weights, _random_x, _Timer, release_torch_cache, time_stack
     from .runtime import load
 
     spec = load_spec(spec_path)
@@ -132,6 +132,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
     # packed weights (as `moegen bench` stacks its layers), unless a variant packs them otherwise.
     weights = _random_weights(variants[0][1], rng)
     xs = {n: [_random_x(variants[0][1], n, rng) for _ in range(count)] for n in tokens}
+    ids = {n: [_random_ids(spec, n, rng) for _ in range(count)] for n in tokens}  # (hash-routed layers)
     timer = _Timer(device)
     source: list[Any] = []  # the first layer loaded from `weights`, kept for its packed weights
 
@@ -146,7 +147,7 @@ def run_tune(spec_path: str, tokens: list[int] | None = None, out_root: str = "g
             except (IndexError, ValueError):  # nothing packed yet, or another packed layout
                 layer.load_weights(weights)
             stack.append(layer)
-        us = {n: time_stack(timer, stack, xs[n]) for n in tokens}
+        us = {n: time_stack(timer, stack, xs[n], ids[n]) for n in tokens}
         if not source:
             source.append(stack.pop(0))
             if only == ("prefill_cut",):  # every variant packs the weights alike: the raw ones are not read again

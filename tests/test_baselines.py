@@ -92,7 +92,8 @@ def test_bench_vs_times_both_specs_in_one_run(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(bench, "load", fake_load)
     times = {"qwen3-30b-a3b-fp8": 27.0, "qwen3-30b-a3b": 36.0}
-    monkeypatch.setattr(bench, "time_stack", lambda timer, stack, xs: times[next(k for k in plans if stack[0].plan is plans[k])])
+    monkeypatch.setattr(bench, "time_stack",
+                        lambda timer, stack, xs, ids=None: times[next(k for k in plans if stack[0].plan is plans[k])])
     out = tmp_path / "b.json"
     assert bench.run_bench("specs/qwen3-30b-a3b-fp8.yaml", tokens=[1, 8], json_path=str(out),
                            vs="specs/qwen3-30b-a3b.yaml") == 0

@@ -656,6 +656,51 @@ def test_hash_layers_need_token_ids(fake_cuda):
         layer(x, token_ids=FakeArray((3,), "int64"))
 
 
+@pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
+def test_check_random_weights_load_in_every_format(fake_cuda, case):
+    """`moegen check`'s random weights (no checkpoint) are what the layer takes in every format and
+    rule (it packs and checks them: FP4 codes and scales, FP8 per-tensor scales, the hash table),
+    and what it gives the reference is each quantized weight's value as its format defines it."""
+    from moegen.check import _random_weights
+    from moegen.formats import FP8TensorWeight, MXFP4Weight, NVFP4Weight
+
+    _, spec = case
+    plan = make_plan(spec)
+    given, ref = _random_weights(spec, plan, np.random.default_rng())
+    _layer(plan).load_weights(given)  # raises on a missing name, a wrong shape or dtype, a bad table
+    for name, (shape, dtype) in tensors(plan).items():
+        if dtype == "uint8" and not name.endswith("_scale"):
+            k = 2 * shape[-1]
+            if f"{name}_scale_2" in given:
+                value = NVFP4Weight(given[name], given[f"{name}_scale"], given[f"{name}_scale_2"][..., None],
+                                    (shape[-2],), k).dequantize(np.float32)
+            else:
+                value = MXFP4Weight(given[name], given[f"{name}_scale"], k).dequantize(np.float32)
+            np.testing.assert_array_equal(ref[name], value)
+        elif f"{name}_input_scale" in given:
+            np.testing.assert_array_equal(ref[name], FP8TensorWeight(given[name], given[f"{name}_scale"]).dequantize(np.float32))
+            assert (given[f"{name}_input_scale"] > 0).all() and ref[f"{name}_input_scale"] is given[f"{name}_input_scale"]
+        elif dtype == "int32":
+            t = given[name]
+            assert ((0 <= t) & (t < plan.experts)).all() and all(len(set(row)) == len(row) for row in t.tolist())
+    if spec.routing.hash_vocab_size is None:
+        assert not any(d == "int32" for _, d in tensors(plan).values())
+
+
+def test_bench_and_check_give_hash_routed_layers_token_ids():
+    """`moegen bench`, `tune` and `check` call hash-routed layers with random token ids in the
+    vocabulary (int32, one a token), the other layers with none."""
+    from moegen.bench import token_ids_host
+
+    rng = np.random.default_rng()
+    hashed, plain = dict(SPECS)["hash"], dict(SPECS)["shared_gate"]
+    ids = token_ids_host(hashed, 300, rng)
+    vocab = hashed.routing.hash_vocab_size
+    assert ids.dtype == np.int32 and ids.shape == (300,) and ((0 <= ids) & (ids < vocab)).all()
+    assert len(set(ids.tolist())) > 1
+    assert token_ids_host(plain, 300, rng) is None
+
+
 @pytest.mark.parametrize("row, why", [([3, 3, 1, 2, 4, 5], "distinct"), ([0, 1, 2, 3, 4, 64], r"in \[0, 64\)"),
                                       ([-1, 1, 2, 3, 4, 5], r"in \[0, 64\)")])
 def test_hash_table_is_checked_at_load(fake_cuda, row, why):
