@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, root:
     import torch.distributed as dist
     from cuda.core import Device
 
-    from .bench import _random_weights
+    from .bench import _random_ids, _random_weights
     from .parallel import torch_allreduce
     from .runtime import load
 
@@ -93,9 +93,10 @@ def _rank(rank: int, world: int, body: dict, tokens: list[int], port: int, root:
     for n in tokens:
         torch.manual_seed(n)  # the same tokens on every rank
         x = torch.randn(n, plan.hidden, device="cuda", dtype=torch.bfloat16)
+        tids = _random_ids(spec, n, np.random.default_rng(n))  # hash-routed: the same ids on every rank
         out = torch.empty_like(x)
-        def call(x: Any = x, out: Any = out) -> None:
-            layer(x, out=out, stream=torch.cuda.current_stream())
+        def call(x: Any = x, out: Any = out, tids: Any = tids) -> None:
+            layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=tids)
 
         layer.set_allreduce(None)
         alone = _median_us(_captured(call, torch), torch)
@@ -157,7 +158,7 @@ def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str,
     import torch.distributed as dist
     from cuda.core import Device
 
-    from .bench import _random_weights
+    from .bench import _random_ids, _random_weights
     from .parallel import rank_weights, torch_allreduce
     from .runtime import load
 
@@ -179,18 +180,19 @@ def _check_rank(rank: int, world: int, body: dict, counts: list[int], root: str,
         full = load(Path(root) / "full", weights, device=Device(0))
     for n in counts:
         x = torch.randn(n, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
+        tids = _random_ids(spec, n, np.random.default_rng(n))  # hash-routed: the same ids on every rank
         out = torch.empty_like(x)
-        layer(x, out=out, stream=torch.cuda.current_stream())
+        layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=tids)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            layer(x, out=out, stream=torch.cuda.current_stream())
+            layer(x, out=out, stream=torch.cuda.current_stream(), token_ids=tids)
         eager = out.clone()
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         if rank == 0:
             want = torch.empty_like(x)
-            full(x, out=want, stream=torch.cuda.current_stream())
+            full(x, out=want, stream=torch.cuda.current_stream(), token_ids=tids)
             torch.cuda.synchronize()
             for kind, t in (("eager", eager), ("graph", out), ("want", want)):  # for the caller, as files
                 np.save(Path(root) / f"{kind}{n}.npy", t.float().cpu().numpy().astype(np.float64))
