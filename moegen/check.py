@@ -167,11 +167,10 @@ def _accuracy(spec: Spec, layer: Any, ref_w: dict[str, Any], n: int, rng: np.ran
 def _replay(spec: Spec, layer: Any, n: int) -> tuple[bool, str]:
     import torch
 
-    from .bench import token_ids_host
+    from .bench import _random_ids
 
     x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-    tids = token_ids_host(spec, n, np.random.default_rng())
-    t = None if tids is None else torch.from_numpy(tids).to("cuda")  # hash-routed layers: fixed ids for every call
+    t = _random_ids(spec, n, np.random.default_rng())  # hash-routed layers: fixed ids for every call (else None)
     out = torch.empty_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
