@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import reference
 from .build import BuildResult, build
 from .plan import Plan
-from .spec import Spec, WeightFormat, load_spec
+from .samples import host_bf16 as _host
+from .samples import random_weights
+from .spec import Spec, load_spec
 
 ROW_TOL = 1e-2  # DESIGN.md: per row, bf16 outputs
 FP8_ROW_TOL = 2e-2  # DESIGN.md: where activations are quantized to FP8
@@ -34,12 +35,15 @@ class Report:
     lines: list[str] = field(default_factory=list)
     failed: int = 0
     skipped: int = 0
+    echo: Callable[[str], None] | None = None  # each line as it is added (a large layer's check takes a while)
 
     def add(self, stage: str, ok: bool | None, text: str) -> None:
         mark = {True: "ok", False: "FAILED", None: "skipped"}[ok]
         self.failed += ok is False
         self.skipped += ok is None
         self.lines.append(f"{stage:<12} {mark:<8} {text}")
+        if self.echo is not None:
+            self.echo(self.lines[-1])
 
 
 @functools.cache
@@ -63,64 +67,6 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def _random_weights(spec: Spec, plan: Plan, rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what the layer takes, what the reference takes): N(0, 1/fan_in) weights in the layer's formats,
-    quantized by moegen.quant's recipes where the spec says so (the reference then reads the
-    dequantized values): FP8 block codes and scales; FP8 per-tensor codes, weight scales and static
-    input scales (gate's and up's equal, as calibration on one input makes them); MXFP4 / NVFP4 codes
-    and scales; the hash table (k distinct experts a row). Matrices are quantized one at a time."""
-    from .quant import quantize_fp8_block, quantize_fp8_tensor, quantize_mxfp4, quantize_nvfp4
-    from .weights import tensors
-
-    fp8 = {"experts.": spec.experts.format, "shared_expert.": getattr(spec.shared_expert, "format", None)}
-    want = tensors(plan)
-    given: dict[str, Any] = {}
-    ref: dict[str, Any] = {}
-    in_scales: dict[str, np.ndarray] = {}  # FP8 per-tensor: one static input scale a matrix pair
-
-    def each_matrix(shape: tuple[int, ...], k: int, quantize: Callable[[np.ndarray], Any]) -> list[Any]:
-        """quantize(w) of each [R, K] matrix of a [..., R, K] weight, drawn N(0, 1/K)."""
-        return [quantize(rng.standard_normal((shape[-2], k), np.float32) / np.float32(np.sqrt(k)))
-                for _ in range(int(np.prod(shape[:-2], dtype=np.int64)))]
-
-    def stack(parts: list[np.ndarray], lead: tuple[int, ...]) -> np.ndarray:
-        return np.stack(parts).reshape((*lead, *parts[0].shape))
-
-    for name, (shape, dtype) in want.items():
-        if name.endswith(("_scale_inv", "_scale", "_scale_2", "_input_scale")):
-            continue  # made with their weight
-        lead = shape[:-2]
-        if dtype == "int32":  # the hash table: k distinct random experts a row
-            given[name] = ref[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, :shape[1]].astype(np.int32)
-        elif f"{name}_input_scale" in want:  # FP8 per-tensor
-            qs = each_matrix(shape, shape[-1], quantize_fp8_tensor)
-            pair = name.replace("up_proj", "gate_proj")
-            if pair not in in_scales:  # x's amax over 448, about: N(0, 1) rows of a few thousand channels
-                in_scales[pair] = (rng.uniform(3.0, 5.0, lead) / 448.0).astype(np.float32)
-            given[name] = stack([q.q for q in qs], lead)
-            given[f"{name}_scale"] = stack([q.scale for q in qs], lead)
-            given[f"{name}_input_scale"] = ref[f"{name}_input_scale"] = in_scales[pair]
-            ref[name] = stack([q.dequantize(np.float32) for q in qs], lead)
-        elif dtype == "uint8":  # MXFP4 or NVFP4 codes, two a byte
-            k = 2 * shape[-1]
-            nv = f"{name}_scale_2" in want
-            qs = each_matrix(shape, k, quantize_nvfp4 if nv else quantize_mxfp4)
-            given[name] = stack([q.packed for q in qs], lead)
-            given[f"{name}_scale"] = stack([q.scale for q in qs], lead)
-            if nv:
-                given[f"{name}_scale_2"] = stack([q.scale_2[..., 0] for q in qs], lead)
-            ref[name] = stack([q.dequantize(np.float32) for q in qs], lead)
-        else:
-            w = (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(ml_dtypes.bfloat16)
-            if any(name.startswith(p) and f is WeightFormat.fp8_block for p, f in fp8.items()):
-                q = quantize_fp8_block(w.astype(np.float32))
-                given[name], given[f"{name}_scale_inv"] = q.q, q.scale_inv
-                ref[name] = q.dequantize()
-            else:
-                given[name] = ref[name] = w
-    return given, ref
-
-
 def _checkpoint_weights(spec: Spec, path: str, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
     from .checkpoint import load_layer
     from .formats import FP8BlockWeight
@@ -131,12 +77,6 @@ def _checkpoint_weights(spec: Spec, path: str, layer: int) -> tuple[dict[str, An
         if f"{k}_scale_inv" in given:
             ref[k] = FP8BlockWeight(given[k], given[f"{k}_scale_inv"]).dequantize()
     return given, ref
-
-
-def _host(t: Any) -> np.ndarray:
-    import torch
-
-    return t.detach().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
 
 
 def _accuracy(spec: Spec, layer: Any, ref_w: dict[str, Any], n: int, rng: np.random.Generator) -> tuple[bool, str]:
@@ -209,11 +149,11 @@ def _gpu(spec: Spec, built: BuildResult, loaded: tuple[dict[str, Any], dict[str,
          tokens: list[int], report: Report) -> None:
     from .runtime import load
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng()  # fresh inputs every run
     if loaded is not None:
         given, ref = loaded
     else:
-        given, ref = _random_weights(spec, built.plan, rng)
+        given, ref = random_weights(built.plan)  # drawn on the device, every format the layer takes
         source = "random weights"
     layer = load(built.out_dir, given)
     report.add("device", True, f"{source} loaded on {_device_name()}")
@@ -240,9 +180,11 @@ def _stage(report: Report, stage: str, fn: Callable[[], Any]) -> Any:
 
 
 def run_check(spec_path: str, weights: str | None = None, layer: int | None = None,
-              tokens: list[int] | None = None, out_root: str | None = None) -> tuple[int, Report]:
-    """(exit status, report). Status 0: everything that could run here passed."""
-    report = Report()
+              tokens: list[int] | None = None, out_root: str | None = None,
+              echo: Callable[[str], None] | None = None) -> tuple[int, Report]:
+    """(exit status, report). Status 0: everything that could run here passed. `echo` is given
+    each line of the report as it is made."""
+    report = Report(echo=echo)
     if weights and layer is None:
         report.add("arguments", False, "--weights needs --layer N (the MoE layer to load)")
         return 1, report

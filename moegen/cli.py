@@ -122,8 +122,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .check import run_check
 
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-    status, report = run_check(args.spec, weights=args.weights, layer=args.layer, tokens=tokens, out_root=args.out)
-    print("\n".join(report.lines))
+    status, report = run_check(args.spec, weights=args.weights, layer=args.layer, tokens=tokens, out_root=args.out,
+                               echo=lambda line: print(line, flush=True))
     skipped = " (validate + build only: the GPU part was skipped)" if report.skipped else ""
     print(f"check {'PASSED' if status == 0 else 'FAILED'}{skipped}: {args.spec}")
     return status

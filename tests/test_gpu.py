@@ -8,7 +8,6 @@ invariance, and launch-time errors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +21,11 @@ from rowcheck import ROW_TOL, ROW_TOL_FP8_ACT, _check_rows, check_rows_fp8_act, 
 from moegen import reference
 from moegen.arrays import ArrayError
 from moegen.build import render_all, tuned_plan, write_dir
-from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
 from moegen.plan import Plan
 from moegen.runtime import Layer, load
+from moegen.samples import host_bf16 as _host
+from moegen.samples import random_weights
 from moegen.spec import Spec, load_spec
-from moegen.weights import tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -41,131 +40,6 @@ class Case:
     host: dict[str, np.ndarray]  # bf16 weights as the reference reads them
 
 
-def _rand_weights(plan: Plan, torch: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Random weights scaled so router logits and expert outputs are O(1): what the layer is
-    given (device bf16; FP8 block: e4m3 codes and fp32 scales) and what the reference reads
-    (the same values, dequantized)."""
-    layer_w, ref_w = {}, {}
-    for name, (shape, dtype) in tensors(plan).items():
-        if name.endswith(("_scale_inv", "_scale", "_scale_2", "_input_scale")):  # made with their weight
-            continue
-        if f"{name}_input_scale" in tensors(plan):  # FP8 per-tensor: codes, weight and static input scales
-            _rand_fp8_tensor(name, shape, layer_w, ref_w, torch)
-            continue
-        if dtype == "uint8":  # FP4: random codes and scales as stored; the reference reads their values
-            _rand_fp4(name, shape, plan, layer_w, ref_w, torch)
-            continue
-        if dtype == "int32":  # the hash table tid2eid: k distinct random experts per row
-            rng = np.random.default_rng()
-            layer_w[name] = ref_w[name] = rng.random((shape[0], plan.experts)).argsort(1)[:, : shape[1]].astype(np.int32)
-            continue
-        if dtype == "bfloat16":  # made in bf16 directly: the largest specs' fp32 would not fit
-            layer_w[name] = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(1 / math.sqrt(shape[-1]))
-            ref_w[name] = _host(layer_w[name])
-            continue
-        if name.endswith("norm.weight"):  # RMSNorm weights around 1
-            layer_w[name] = ref_w[name] = (1.0 + 0.1 * torch.randn(shape)).numpy()
-        elif dtype == "float32":  # biases: kept as they are
-            layer_w[name] = (0.1 * torch.randn(shape, device="cuda") / math.sqrt(shape[-1])).cpu().numpy()
-            ref_w[name] = layer_w[name]
-        else:  # FP8 128x128 blocks, scale = amax / 448, written here from the format's definition;
-            # one matrix at a time (the largest specs' fp32 temporaries would not fit at once)
-            codes, scales = [], []
-            for _ in range(math.prod(shape[:-2])):
-                c, sc = _fp8_block(torch.randn(shape[-2:], device="cuda") / math.sqrt(shape[-1]), torch)
-                codes.append(c.view(torch.uint8).cpu().numpy())
-                scales.append(sc.cpu().numpy())
-            q = np.stack(codes).reshape(shape).view(ml_dtypes.float8_e4m3fn)
-            s = np.stack(scales).reshape(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
-            layer_w[name], layer_w[f"{name}_scale_inv"] = q, s
-            ref_w[name] = _per_expert(shape, lambda e, q=q, s=s: _fp8_block_values(q[e], s[e]),
-                                      lambda q=q, s=s: _fp8_block_values(q, s))
-    return layer_w, ref_w
-
-
-def _rand_fp8_tensor(name: str, shape: tuple[int, ...], layer_w: dict, ref_w: dict, torch: Any) -> None:
-    """FP8 per-tensor weights as ModelOpt stores them: e4m3 codes of O(1) values drawn on the device,
-    a weight scale per matrix around 1/(16 sqrt(K)), and static input scales that leave some
-    activations past +-448 steps (the saturation is exercised), gate's and up's equal (as ModelOpt
-    calibrates both on the same input; the kernels quantize x once for both)."""
-    rng = np.random.default_rng()
-    codes = (torch.randn(shape, device="cuda") * 16).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
-    codes = codes.view(ml_dtypes.float8_e4m3fn)
-    w_scale = (rng.uniform(0.5, 1.0, shape[:-2]) / (16 * math.sqrt(shape[-1]))).astype(np.float32)
-    in_scale = rng.uniform(2.0, 4.0, shape[:-2]).astype(np.float32) / 448.0
-    other = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
-    twin = next((f"{name[: -len(m)]}{o}_input_scale" for m, o in other.items() if name.endswith(m)), "")
-    if twin in layer_w:
-        in_scale = layer_w[twin]
-    layer_w[name], layer_w[f"{name}_scale"], layer_w[f"{name}_input_scale"] = codes, w_scale, in_scale
-    ref_w[name] = _per_expert(shape, lambda e: codes[e].astype(np.float64) * np.float64(w_scale[e]),
-                              lambda: codes.astype(np.float64) * np.float64(w_scale))
-    ref_w[f"{name}_input_scale"] = in_scale
-
-
-def _rand_fp4(name: str, shape: tuple[int, ...], plan: Plan, layer_w: dict, ref_w: dict, torch: Any) -> None:
-    """MXFP4 / NVFP4 weights drawn as stored (uniform e2m1 codes; scales that make the values
-    O(1/sqrt(K))), and their exact values (moegen.formats) for the reference."""
-    rng = np.random.default_rng()
-    k = 2 * shape[-1]
-    codes = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").cpu().numpy()
-    layer_w[name] = codes
-    if f"{name}_scale_2" in tensors(plan):  # NVFP4: positive e4m3 scales in [1/4, 2), fp32 scale_2
-        scale = rng.integers(0x28, 0x40, (*shape[:-1], k // 16), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
-        s2 = (rng.uniform(0.5, 1.0, shape[:-2]) / (6 * math.sqrt(k))).astype(np.float32)
-        layer_w[f"{name}_scale"], layer_w[f"{name}_scale_2"] = scale, s2
-        ref_w[name] = _per_expert(
-            (*shape[:-1], k), lambda e: NVFP4Weight(codes[e], scale[e], s2[e][..., None], (shape[-2],), k).dequantize(),
-            lambda: NVFP4Weight(codes, scale, s2[..., None], (shape[-2],), k).dequantize())
-    else:  # MXFP4: E8M0 scales around 1 / (6 sqrt(K))
-        lo = 127 - math.ceil(math.log2(6 * math.sqrt(k)))
-        scale = rng.integers(lo, lo + 3, (*shape[:-1], k // 32), dtype=np.uint8)
-        layer_w[f"{name}_scale"] = scale
-        ref_w[name] = _per_expert((*shape[:-1], k), lambda e: MXFP4Weight(codes[e], scale[e], k).dequantize(),
-                                  lambda: MXFP4Weight(codes, scale, k).dequantize())
-
-
-def _fp8_block(w: Any, torch: Any) -> tuple[Any, Any]:
-    r, k = w.shape[-2:]
-    blocks = w.reshape(*w.shape[:-2], r // 128, 128, k // 128, 128)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.clamp(amax, min=1e-12) / 448.0
-    full = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
-    return (w / full).to(torch.float8_e4m3fn), scale
-
-
-def _fp8_block_values(q: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """W = q * s[i // 128, j // 128] in float64 (exact)."""
-    return FP8BlockWeight(q, s).dequantize()
-
-
-class PerExpert:
-    """A stacked quantized weight [E, R, K] as the reference reads it: [e] dequantizes expert e
-    alone, in float64 (a large checkpoint whole in float64 would not fit in host memory)."""
-
-    def __init__(self, shape: tuple[int, ...], matrix: Any) -> None:
-        self.shape, self._matrix = tuple(shape), matrix
-
-    def __getitem__(self, e: int) -> np.ndarray:
-        return self._matrix(e)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = np.stack([self._matrix(e) for e in range(self.shape[0])])
-        return a if dtype is None else a.astype(dtype)
-
-
-def _per_expert(shape: tuple[int, ...], matrix: Any, whole: Any) -> Any:
-    """Expert e's float64 values on demand for stacked weights; a matrix without an expert axis
-    (the shared expert's) dequantized at once."""
-    return PerExpert(shape, matrix) if len(shape) == 3 else whole()
-
-
-def _host(t: Any) -> np.ndarray:
-    import torch
-
-    return t.detach().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
-
-
 @pytest.fixture(scope="module", params=SPECS, ids=lambda p: p.stem)
 def case(request, tmp_path_factory) -> Iterator[Case]:
     import torch
@@ -174,7 +48,7 @@ def case(request, tmp_path_factory) -> Iterator[Case]:
     plan = tuned_plan(spec, request.param.parent.parent / "generated")  # the plan generated/ holds (its tuning)
     out = tmp_path_factory.mktemp("gen") / spec.name
     write_dir(out, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(out, dev_w)
     del dev_w
     torch.cuda.empty_cache()

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_gpu import _check_rows, _host, _rand_weights
+from test_gpu import _check_rows, _host
 
 from moegen.build import render_all, write_dir
 from moegen.parallel import rank_weights
 from moegen.plan import make_plan
 from moegen.runtime import load
+from moegen.samples import random_weights
 from moegen.spec import parse_spec
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +32,7 @@ def test_ranks_sum_to_the_whole_layer(ep_size, tmp_path):
     full_spec = parse_spec(LAYER, check_generated=False)
     full_plan = make_plan(full_spec)
     write_dir(tmp_path / "full", render_all(full_spec, full_plan))
-    dev_w, _ = _rand_weights(full_plan, torch)
+    dev_w, _ = random_weights(full_plan)
     full = load(tmp_path / "full", dev_w)
     x = torch.randn(64, full_plan.hidden, device="cuda", dtype=torch.bfloat16)
     want = torch.empty_like(x)

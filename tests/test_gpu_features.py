@@ -11,13 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from test_features import BASE, CASES
-from test_gpu import TIE_TOL, _check_rows, _host, _rand_weights, check_rows_fp8_act, kernel_activations, row_tol
+from test_gpu import TIE_TOL, _check_rows, _host, check_rows_fp8_act, kernel_activations, row_tol
 
 from moegen import reference
 from moegen.build import render_all, write_dir
 from moegen.families import Tuning
 from moegen.plan import TARGETS, make_plan
 from moegen.runtime import load
+from moegen.samples import random_weights
 from moegen.spec import load_spec, parse_spec
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,7 @@ def test_feature_matches_reference(case, tmp_path):
     spec = parse_spec({**BASE, **CASES[case]}, check_generated=False)
     plan = make_plan(spec)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_counts(case, spec, plan, layer, host, torch)
@@ -72,7 +73,7 @@ def test_fused_tuning_matches_reference(name, tmp_path):
     plan = make_plan(spec, tuning=Tuning(fused=4))
     nf = max(b.max_tokens for b in plan.buckets if plan.kernel(b.launches[1].kernel).family == "expert")
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_counts(name, spec, plan, layer, host, torch, counts=range(1, nf + 1))
@@ -132,7 +133,7 @@ def test_one_token_kernel_tunings_match_reference(name, variant, tmp_path):
     assert kernel.family == "single"
     assert ("_cols" in kernel.name) == (variant in ("t1", "plain", "cols-rounds", "cols")), kernel.name
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_counts(name, spec, plan, layer, host, torch, counts=(1, 1, 1))
@@ -149,7 +150,7 @@ def _tied_layer(name: str, distinct: int, tuning: Tuning | None, tmp_path: Path,
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
     plan = make_plan(spec, tuning=tuning)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     rows = torch.arange(plan.experts, device="cuda") % distinct
     dev_w["gate.weight"] = dev_w["gate.weight"][rows].contiguous()
     host["gate.weight"] = host["gate.weight"][rows.cpu().numpy()]
@@ -227,7 +228,7 @@ def test_prefill_with_a_shared_expert_matches_reference(name, tmp_path):
     plan = make_plan(spec)
     below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_counts(name, spec, plan, layer, host, torch, counts=(below + 1, plan.prefill_from))
@@ -276,7 +277,7 @@ def test_clamped_silu_through_the_gemv_path_and_the_prefill_epilogue(shared_clam
     plan = make_plan(spec)
     assert plan.prefill_from, "the clamped SiLU layer has prefill buckets"
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     _scale_past_the_limit(spec, plan, dev_w, host, ("experts.gate_proj", "experts.up_proj", "shared_expert.gate_proj",
                                                     "shared_expert.up_proj"), 8.0, 0.05)  # about 11% and 21%
     layer = load(tmp_path / spec.name, dev_w)
@@ -298,7 +299,7 @@ def test_prefill_with_the_routing_weight_on_the_input_matches_reference(tmp_path
     plan = make_plan(spec)
     assert plan.prefill_from, "the weight-on-input layer has prefill buckets"
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_prefill_ends("weight_on_input prefill", spec, plan, layer, host, torch)
@@ -326,7 +327,7 @@ def test_prefill_with_expert_biases_and_clamped_swiglu_matches_reference(fmt, bm
     plan = make_plan(spec, tuning=Tuning(prefill_bm=bm) if bm != 128 else None)
     assert plan.prefill_from and plan.prefill_tiles[0] == bm, (plan.prefill_from, plan.prefill_tiles)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     names = ("experts.gate_proj", "experts.up_proj")
     if fmt == "bf16":
         _scale_past_the_limit(spec, plan, dev_w, host, names, 4.0, 0.02)  # ~4%, 8%
@@ -361,7 +362,7 @@ def test_prefill_with_an_fp8_shared_expert_beside_mxfp4_experts_matches_referenc
     assert plan.prefill_from and prefill_plan.other_bn(plan.kernels, plan.prefill_tiles[1]) == 64, \
         (plan.prefill_from, plan.prefill_tiles)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_prefill_ends("fp8 shared beside mxfp4 prefill", spec, plan, layer, host, torch)
@@ -378,14 +379,13 @@ def test_prefill_with_fp8_per_tensor_experts_matches_reference(tmp_path):
     bucket, against the reference, and the largest N of the bucket bitwise repeatable."""
     import torch
 
-    from moegen import prefill_plan
     spec = parse_spec({**BASE, "hidden_size": 1024, "max_tokens": 1024,
                        "experts": {"count": 64, "top_k": 6, "intermediate_size": 512, "format": "fp8_tensor"}},
                       check_generated=False)
     plan = make_plan(spec)
     assert plan.prefill_from and plan.prefill_tiles[10] is True, (plan.prefill_from, plan.prefill_tiles)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     assert np.array_equal(dev_w["experts.gate_proj_input_scale"], dev_w["experts.up_proj_input_scale"])
     layer = load(tmp_path / spec.name, dev_w)
     try:
@@ -422,7 +422,7 @@ def test_prefill_fp8_block_matches_reference(name, tmp_path):
     assert plan.prefill_from, f"{name}: no prefill bucket"
     below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     layer = load(tmp_path / spec.name, dev_w)
     try:
         _check_counts(name, spec, plan, layer, host, torch, counts=(below + 1, plan.prefill_from))
@@ -455,7 +455,7 @@ def test_prefill_x_codes_a_row_per_choice_give_the_gathered_rows_bits(tmp_path):
     lo = max(b.max_tokens for b in rows.buckets if b.max_tokens < first) + 1
     assert any("_xrows_" in k.name for k in rows.kernels) and not any("_xrows_" in k.name for k in gather.kernels)
     layers = []
-    dev_w, _ = _rand_weights(rows, torch)
+    dev_w, _ = random_weights(rows)
     try:
         for i, plan in enumerate((rows, gather)):
             write_dir(tmp_path / f"{spec.name}-{i}", render_all(spec, plan))
@@ -492,7 +492,7 @@ def test_prefill_fp4_scales_of_many_exponents_through_the_kernels(fmt, tmp_path)
     assert plan.prefill_from and plan.prefill_tiles[9] == fmt, plan.prefill_tiles
     below = max(b.max_tokens for b in plan.buckets if b.max_tokens < plan.prefill_from)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     rng = np.random.default_rng()
     for name in [n for n in dev_w if n + "_scale" in dev_w]:
         codes, k = np.asarray(dev_w[name]), 2 * np.shape(dev_w[name])[-1]
@@ -546,7 +546,7 @@ def test_fp8_codes_of_every_kind_through_the_kernels(codes, tmp_path):
                        "shared_expert": {"intermediate_size": 128, "format": "fp8_block"}}, check_generated=False)
     plan = make_plan(spec)
     write_dir(tmp_path / spec.name, render_all(spec, plan))
-    dev_w, host = _rand_weights(plan, torch)
+    dev_w, host = random_weights(plan)
     rng = np.random.default_rng()
     pool = (np.r_[0:8, 0x80:0x88] if codes == "subnormal"
             else np.array([c for c in range(256) if c & 0x7F != 0x7F])).astype(np.uint8)

@@ -657,32 +657,47 @@ def test_hash_layers_need_token_ids(fake_cuda):
 
 
 @pytest.mark.parametrize("case", SPECS, ids=lambda c: c[0])
-def test_check_random_weights_load_in_every_format(fake_cuda, case):
-    """`moegen check`'s random weights (no checkpoint) are what the layer takes in every format and
-    rule (it packs and checks them: FP4 codes and scales, FP8 per-tensor scales, the hash table),
-    and what it gives the reference is each quantized weight's value as its format defines it."""
-    from moegen.check import _random_weights
-    from moegen.formats import FP8TensorWeight, MXFP4Weight, NVFP4Weight
+def test_random_weights_load_in_every_format(fake_cuda, case):
+    """moegen.samples' random weights (`moegen check` without a checkpoint, the GPU tests) are what
+    the layer takes in every format and rule (it packs and checks them: FP4 codes and scales, FP8
+    block and per-tensor scales, the hash table), and what they give the reference is each
+    quantized weight's value as its format defines it, an expert at a time. Drawn here on the CPU."""
+    torch = pytest.importorskip("torch")
+    from moegen.formats import FP8BlockWeight, MXFP4Weight, NVFP4Weight
+    from moegen.samples import host_bf16, random_weights
 
     _, spec = case
     plan = make_plan(spec)
-    given, ref = _random_weights(spec, plan, np.random.default_rng())
-    _layer(plan).load_weights(given)  # raises on a missing name, a wrong shape or dtype, a bad table
+    given, ref = random_weights(plan, device="cpu")
+    _layer(plan).load_weights({k: host_bf16(v) if isinstance(v, torch.Tensor) else v for k, v in given.items()})
     for name, (shape, dtype) in tensors(plan).items():
+        stacked = len(shape) == 3 and dtype != "int32"  # an expert axis: the last expert's matrix is checked
+        g, at = given.get(name), (lambda a: a[plan.experts - 1]) if stacked else (lambda a: np.asarray(a))
         if dtype == "uint8" and not name.endswith("_scale"):
             k = 2 * shape[-1]
             if f"{name}_scale_2" in given:
-                value = NVFP4Weight(given[name], given[f"{name}_scale"], given[f"{name}_scale_2"][..., None],
-                                    (shape[-2],), k).dequantize(np.float32)
+                value = NVFP4Weight(at(g), at(given[f"{name}_scale"]), at(given[f"{name}_scale_2"])[..., None],
+                                    (shape[-2],), k).dequantize()
             else:
-                value = MXFP4Weight(given[name], given[f"{name}_scale"], k).dequantize(np.float32)
-            np.testing.assert_array_equal(ref[name], value)
+                value = MXFP4Weight(at(g), at(given[f"{name}_scale"]), k).dequantize()
+            np.testing.assert_array_equal(at(ref[name]), value)
+            assert len(np.unique(g)) > 200  # codes drawn over every byte
         elif f"{name}_input_scale" in given:
-            np.testing.assert_array_equal(ref[name], FP8TensorWeight(given[name], given[f"{name}_scale"]).dequantize(np.float32))
-            assert (given[f"{name}_input_scale"] > 0).all() and ref[f"{name}_input_scale"] is given[f"{name}_input_scale"]
+            np.testing.assert_array_equal(at(ref[name]), at(g).astype(np.float64) * at(given[f"{name}_scale"]))
+            assert (given[f"{name}_input_scale"] > 0).all()
+        elif f"{name}_scale_inv" in given:  # FP8 128x128 blocks: every block's amax is 448 steps
+            np.testing.assert_array_equal(at(ref[name]), FP8BlockWeight(at(g), at(given[f"{name}_scale_inv"])).dequantize())
+            blocks = np.abs(at(g).astype(np.float32)).reshape(shape[-2] // 128, 128, shape[-1] // 128, 128)
+            assert (blocks.max(axis=(1, 3)) == 448).all()
         elif dtype == "int32":
             t = given[name]
             assert ((0 <= t) & (t < plan.experts)).all() and all(len(set(row)) == len(row) for row in t.tolist())
+        elif dtype == "bfloat16":
+            np.testing.assert_array_equal(ref[name], host_bf16(g))
+            assert np.asarray(ref[name], np.float32).std() > 0
+    gate, up = (f"experts.{m}_proj_input_scale" for m in ("gate", "up"))
+    if gate in given:
+        np.testing.assert_array_equal(given[gate], given[up])  # the kernels quantize x once for both
     if spec.routing.hash_vocab_size is None:
         assert not any(d == "int32" for _, d in tensors(plan).values())
 
