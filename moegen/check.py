@@ -20,6 +20,7 @@ import numpy as np
 
 from . import reference
 from .build import BuildResult, build
+from .nvrtc import nvrtc_version
 from .plan import Plan
 from .samples import host_bf16 as _host
 from .samples import random_weights
@@ -198,12 +199,16 @@ def run_check(spec_path: str, weights: str | None = None, layer: int | None = No
         built = _stage(report, "build", lambda: build(spec_path, out_root or tmp))
         if built is None:
             return 1, report
-        res = built.compiled.resources.values()
-        spills = sum(x.spill_stores + x.spill_loads for x in res)
-        report.add("build", spills == 0, f"{len(built.plan.kernels)} kernels for {built.plan.arch}, "
-                                         f"{'cached' if built.compiled.cached else 'compiled'} in "
-                                         f"{built.seconds:.2f} s, {spills} spill bytes -> "
-                                         f"{built.out_dir if out_root else '(temporary directory)'}")
+        spilled = {k: r.spill_stores + r.spill_loads for k, r in built.compiled.resources.items()
+                   if r.spill_stores + r.spill_loads}
+        # Spills are a cost, not a fault: the catalog compiles without any under the NVRTC its
+        # tests pin, and another NVRTC may spill a few bytes; they are named, and the check goes on.
+        note = (f" (NVRTC {nvrtc_version()} spilled in " + ", ".join(f"{k}: {b} bytes" for k, b in spilled.items())
+                + ")") if spilled else ""
+        report.add("build", True, f"{len(built.plan.kernels)} kernels for {built.plan.arch}, "
+                                  f"{'cached' if built.compiled.cached else 'compiled'} in "
+                                  f"{built.seconds:.2f} s, {sum(spilled.values())} spill bytes{note} -> "
+                                  f"{built.out_dir if out_root else '(temporary directory)'}")
         loaded = None
         if weights:
             loaded = _stage(report, "weights", lambda: _load_checkpoint(spec, built.plan, weights, layer, report))
