@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .prefill import PREFILL_STAGES
+from .prefill import PREFILL_BN, PREFILL_STAGES
 from .spec import Select, Spec
 
 if TYPE_CHECKING:
@@ -115,6 +115,9 @@ class Tuning:
     # against 12352 us, Qwen3-30B-A3B 1783 against 1851 us at N = 8192).
     prefill_bm: int = 0
     prefill_stages: int = 0
+    # The BF16 GEMMs' token rows a tile (0: the analytic choice, moegen.prefill_plan.tiles): 128, or
+    # 160 (each k-step's A fragments loaded apart, which leaves the registers for the wider sums)
+    prefill_bn: int = 0
     prefill_ws: bool = True
     # The down GEMM's stages (0: as gate/up's). Without the producer warpgroup, 3 fits two down
     # blocks a multiprocessor: 0.977 / 0.999 of the 4-stage time (Qwen3-30B-A3B / Mixtral, H200).
@@ -239,6 +242,20 @@ class Tuning:
         if self.prefill_bm not in (0, 64, 128) or self.prefill_stages not in (0, *PREFILL_STAGES):
             raise TuningError(f"tuning prefill_bm={self.prefill_bm}, prefill_stages={self.prefill_stages}: "
                               "bm 64 or 128, 3 to 8 stages (0: the analytic choice)")
+        if self.prefill_bn not in (0, *PREFILL_BN):
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: {' or '.join(map(str, PREFILL_BN))} token rows a tile "
+                              "(0: the analytic choice)")
+        if self.prefill_bn > 128 and spec.experts.format.value != "bf16":
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than 128 take BF16 experts, "
+                              f"not {spec.experts.format.value}")
+        if self.prefill_bn > 128 and not (self.prefill_ws and self.prefill_bulk_a and self.prefill_down_pair
+                                          and self.down_tiles == 2 and self.prefill_bm in (0, 128)):
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than 128 take the producer warpgroup, "
+                              "two consumer warpgroups, the weights by bulk copies and the down GEMM on row-group pairs "
+                              "(prefill_ws, prefill_bm, prefill_bulk_a, prefill_down_pair, down_tiles=2)")
+        if self.prefill_bn > 128 and self.prefill_stage_y:
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn} with prefill_stage_y: the staged Y tile takes at "
+                              "most 128 token rows (a row a consumer thread)")
         if self.prefill_down_stages not in (0, *PREFILL_STAGES):
             raise TuningError(f"tuning prefill_down_stages={self.prefill_down_stages}: 3 to 8 (0: as prefill_stages)")
         if self.prefill_from < 0:

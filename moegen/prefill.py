@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: a build does not need i
 
 
 PREFILL_STAGES = (3, 4, 5, 6, 7, 8)  # the GEMMs' ring depths (those that fit: moegen.prefill_plan.unsupported)
+PREFILL_BN = (128, 160)  # the BF16 GEMMs' token rows a tile (prefill_gemm_w's FINE fragments past 128)
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
         "shapes": [shape(b) for b in dict.fromkeys((t.bn, other_bn)) if b],
         "name": t.name, "gate_up_name": t.gate_up_name, "bm": t.bm, "bn": t.bn, "stages": t.stages,
         "down_stages": t.dstages, "a8": t.a8 if a8 is None else a8,
-        "threads": t.threads, "gate_up": t.bn <= 128, "down_name": t.down_name, "down_mats": down_mats,
+        "threads": t.threads, "gate_up": t.bn <= max(PREFILL_BN), "down_name": t.down_name, "down_mats": down_mats,
         "standalone": standalone, "ws": t.ws, "packed_threads": t.packed_threads,
         "group_name": "moe_prefill_group", "combine_name": "moe_prefill_combine",
         "permute_name": "moe_prefill_permute", "max_experts": MAX_EXPERTS,
@@ -240,7 +241,7 @@ def grouped_args(t: GemmTiles, standalone: bool = True, down_mats: tuple[int, ..
 
 def render_grouped_gemm(t: GemmTiles, act_rule: tuple[tuple[str, str, str], ...] = SILU) -> str:
     """The CUDA source of the grouped-GEMM kernels of one tile shape (the common header and the
-    activation rule included), for NVRTC: the plain GEMM, and with bn <= 128 (two accumulator sets
+    activation rule included), for NVRTC: the plain GEMM, and with bn <= 160 (two accumulator sets
     in registers) the gate/up GEMM on packed weights."""
     g = grouped_args(t)
     parts = [env().get_template("common.cuh.j2").render(),
@@ -340,7 +341,7 @@ class GroupedGemm:
         self.tiles = tiles
         self.device, module = _load(tiles, arch, device)
         self.kernel = module.get_kernel(tiles.name)
-        self.gate_up_kernel = module.get_kernel(tiles.gate_up_name) if tiles.bn <= 128 else None
+        self.gate_up_kernel = module.get_kernel(tiles.gate_up_name) if tiles.bn <= max(PREFILL_BN) else None
         for kern, size in ((self.kernel, tiles.smem_bytes), (self.gate_up_kernel, tiles.gate_up_smem_bytes)):
             if kern is not None:
                 allow_smem(kern, size, self.device)
@@ -372,7 +373,7 @@ class GroupedGemm:
 
         warps = self.tiles.threads // 32
         if self.gate_up_kernel is None or row_tiles % warps or k % 64:
-            raise ValueError(f"gate/up GEMM: bn={self.tiles.bn} must be <= 128, row_tiles={row_tiles} a multiple "
+            raise ValueError(f"gate/up GEMM: bn={self.tiles.bn} must be <= {max(PREFILL_BN)}, row_tiles={row_tiles} a multiple "
                              f"of {warps}, K={k} of 64")
         if n_tiles == 0:
             return
@@ -431,9 +432,9 @@ class PrefillExperts:
     def __init__(self, experts: int, hidden: int, inter: int, top_k: int, down_mats: int,
                  tiles: GemmTiles = GemmTiles(), arch: str = "sm_90a", device: object = None) -> None:
         warps = tiles.threads // 32
-        if experts > MAX_EXPERTS or down_mats not in DOWN_MATS or tiles.bn > 128:
+        if experts > MAX_EXPERTS or down_mats not in DOWN_MATS or tiles.bn > max(PREFILL_BN):
             raise ValueError(f"prefill: experts={experts} (<= {MAX_EXPERTS}), down_mats={down_mats} "
-                             f"(one of {DOWN_MATS}), bn={tiles.bn} (<= 128)")
+                             f"(one of {DOWN_MATS}), bn={tiles.bn} (<= {max(PREFILL_BN)})")
         if inter % 64 or hidden % 64 or (inter // 16) % warps or (hidden // 16) % warps or (hidden // 16) % down_mats:
             raise ValueError(f"prefill: I={inter} and H={hidden} must be multiples of 64 with whole blocks of "
                              f"{warps} 16-row tiles")

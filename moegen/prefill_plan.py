@@ -93,9 +93,52 @@ GROUP_THREADS = 1024  # count / scan / place: a thread per (token, choice) entry
 EW_THREADS = 256  # permute and combine
 
 
-def tiles(c: Layer, fmt: str = "") -> GemmTiles:
+# The BF16 GEMMs' token rows a tile. Their k-loops are bound by the bytes each k-tile brings into
+# the multiprocessor (README, Prefill: the loads cost them 25-35%): a block's 256 weight rows (gate's
+# and up's 16-row tiles a warp, or a down row group's two) and its bn token rows, 128 bytes each.
+# A wider tile takes fewer of them a product, but pads each expert's last tile further. The plan
+# weighs both at the layer's largest bucket: over the routed experts, the expected tiles of the
+# rows an expert gets (routing taken as uniform: Binomial(N k, 1 / E)) times (256 + bn). It takes
+# 160 (prefill_gemm_w's FINE fragments) where that is less than 128's, unless the down GEMM runs
+# persistent with its Y tile staged (a token row a consumer thread, at most 128), which the wider
+# tile would lose (a shared expert's GEMMs keep 128: shared_tiles_of). Measured on the H200 (2026-12-04, one
+# process, the same bits, us per layer, 128 against 160): Mixtral-8x7B 2829.0 / 9987.8 against
+# 2804.2 / 9442.7 at N = 2048 / 8192; Qwen3-30B-A3B (staged Y at 128) 461.1 / 1380.0 against 417.3
+# / 1465.3.
+WIDE_BN = 160
+
+
+def expected_tiles(rows: int, p: float, bn: int) -> float:
+    """E[ceil(c / bn)] for c ~ Binomial(rows, p): the tiles of an expert that each of `rows` routing
+    choices picks with probability p (summed over the counts within 10 standard deviations)."""
+    mean, sd = rows * p, math.sqrt(rows * p * (1.0 - p))
+    lo, hi = max(0, int(mean - 10 * sd) - 1), min(rows, int(mean + 10 * sd) + 2)
+    logpmf = (lambda c: math.lgamma(rows + 1) - math.lgamma(c + 1) - math.lgamma(rows - c + 1)
+              + c * math.log(p) + (rows - c) * math.log1p(-p)) if 0 < p < 1 else None
+    if logpmf is None:
+        return float(-(-int(mean) // bn))
+    return sum(math.exp(logpmf(c)) * -(-c // bn) for c in range(lo, hi + 1))
+
+
+def tile_bn(c: Layer, fmt: str, bm: int, ws: bool, staged: bool) -> int:
+    """The BF16 GEMMs' token rows a tile (WIDE_BN or TILES.bn; the tuning's prefill_bn where set);
+    staged: whether the down GEMM stages its Y tile at TILES.bn."""
+    if c.tune.prefill_bn:
+        return c.tune.prefill_bn
+    mixed = c.si > 0 and c.fmt_s != c.fmt_e
+    pair = c.tune.prefill_down_pair and c.tune.down_tiles == 2
+    if fmt != "bf16" or mixed or bm != TILES.bm or not (ws and c.tune.prefill_bulk_a and pair) or staged:
+        return TILES.bn
+    def cost(bn: int) -> float:  # tiles, times a k-tile's rows: a warp's two 16-row matrices, and the tokens
+        return c.e_local * expected_tiles(c.nmax * c.k, 1.0 / c.e, bn) * (TILES.threads // 32 * 32 + bn)
+
+    return WIDE_BN if cost(WIDE_BN) < cost(TILES.bn) else TILES.bn
+
+
+def tiles(c: Layer, fmt: str = "", wide: bool = True) -> GemmTiles:
     """The GEMMs' tile shape for weights in `fmt` (default: the routed experts'): TILES, revised by
-    the format and the tuning (warpgroups, stages, producer warpgroup)."""
+    the format and the tuning (warpgroups, stages, producer warpgroup), and the token rows a tile
+    (tile_bn; wide False: at most TILES.bn)."""
     t = c.tune
     fmt = fmt or c.fmt_e
     # FP8 block weights: bn 64 (a K block's accumulators beside the sums); with the producer
@@ -116,7 +159,9 @@ def tiles(c: Layer, fmt: str = "") -> GemmTiles:
                   bulk_a=bulk, fp4=fp4, fp8_tensor=fmt == "fp8_tensor" and t.prefill_ws)
     # the staged Y tile: the routed down GEMM (K = I) persistent, two consumer warpgroups
     want = t.prefill_stage_y if t.prefill_stage_y is not None else fmt == "bf16" or bool(fp4)
-    return replace(g, stage_y=pair and bm == 128 and g.persistent(c.i) and want)
+    staged = pair and bm == 128 and g.persistent(c.i) and want
+    bn = g.bn if fp8 or not wide else tile_bn(c, fmt, bm, t.prefill_ws, staged)
+    return replace(g, bn=bn, stage_y=staged and bn <= TILES.bn)
 
 
 BNT_ARG = 10  # prefill_gemm's template argument BNT (tokens a tile, where a GEMM's differ from the layer's)
@@ -131,10 +176,11 @@ def other_bn(kernels: tuple[Kernel, ...], bn: int) -> int:
 
 def shared_tiles_of(c: Layer) -> GemmTiles:
     """The shared expert's GEMMs' tile shape: its format's (FP8 block's 64 tokens beside FP4 routed
-    experts' 128; the rest of the shape is the layer's, one template)."""
+    experts' 128; the rest of the shape is the layer's, one template), at most TILES.bn token rows
+    (at 160, beside BF16 routed experts', its gate/up GEMM on rows in order spilled 12 bytes)."""
     if not c.si:
         return tiles(c)
-    t = tiles(c, c.fmt_s)  # (staged Y where its own down GEMM, K = si, runs persistent too)
+    t = tiles(c, c.fmt_s, wide=False)  # (staged Y where its own down GEMM, K = si, runs persistent too)
     return replace(t, stage_y=t.stage_y and t.persistent(c.si))
 
 

@@ -32,7 +32,8 @@ VARIANTS = (tuple(Tuning(w, t) for w in (4, 8) for t in (1, 2, 4)) + (Tuning(4, 
             + tuple(Tuning(prefill_from=p) for p in (64, 128, 256, 512, 1024, 2048, 1 << 20))
             + tuple(Tuning(routed_nt=r) for r in (1, 2, 4))
             + (Tuning(prefill_ws=False), Tuning(prefill_bm=64), Tuning(prefill_bm=64, prefill_stages=3, prefill_ws=False),
-               Tuning(prefill_stages=3), Tuning(prefill_down_stages=3, prefill_ws=False), Tuning(prefill_down_pair=False),
+               Tuning(prefill_stages=3), Tuning(prefill_bn=128), Tuning(prefill_bn=160),
+               Tuning(prefill_down_stages=3, prefill_ws=False), Tuning(prefill_down_pair=False),
                Tuning(prefill_stage_y=False), Tuning(prefill_stage_y=True), Tuning(prefill_xrows=False), Tuning(prefill_pdl=False),
                Tuning(prefill_shared=False), Tuning(single=False),
                Tuning(single_coop=False), Tuning(single_tags=False), Tuning(single_tags=False, down_tiles=1),

@@ -51,7 +51,7 @@ def test_grouped_gemm_matches_numpy(tiles):
 
 
 @pytest.mark.parametrize("tiles", [GemmTiles(), GemmTiles(bm=64), GemmTiles(bn=64), GemmTiles(ws=True),
-                                   GemmTiles(bn=64, ws=True)], ids=lambda t: t.gate_up_name)
+                                   GemmTiles(bn=64, ws=True), GemmTiles(bn=160, ws=True)], ids=lambda t: t.gate_up_name)
 def test_gate_up_on_packed_weights_matches_numpy(tiles):
     """The prefill gate/up GEMM reads the decode path's packed tiles (register A) and X' (K
     permuted as they are): silu(gate) * up per permuted row, written as H' (I permuted)."""
@@ -86,8 +86,9 @@ def test_gate_up_on_packed_weights_matches_numpy(tiles):
 
 
 @pytest.mark.parametrize(("down_mats", "tiles"), [(1, GemmTiles()), (2, GemmTiles()), (2, GemmTiles(bn=64)),
-                                                   (2, GemmTiles(ws=True)), (4, GemmTiles(ws=True))],
-                         ids=["m1", "m2", "m2-bn64", "m2-ws", "m4-ws"])
+                                                   (2, GemmTiles(ws=True)), (4, GemmTiles(ws=True)),
+                                                   (2, GemmTiles(bn=160, ws=True)), (4, GemmTiles(bn=160, ws=True))],
+                         ids=["m1", "m2", "m2-bn64", "m2-ws", "m4-ws", "m2-ws-bn160", "m4-ws-bn160"])
 def test_prefill_experts_match_numpy(down_mats, tiles):
     """The whole routed-expert prefill from packed weights (permute, group, gate/up, down,
     combine) against float64 NumPy on the same bf16 values: uneven experts, an expert without

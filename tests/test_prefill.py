@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moegen.nvrtc import compile_cuda
-from moegen.prefill import TILE_INTS, GemmTiles, group_by_expert, k_permutation, permute_k, render_grouped_gemm, tile_table
+from moegen.prefill import PREFILL_BN, TILE_INTS, GemmTiles, group_by_expert, k_permutation, permute_k, render_grouped_gemm, tile_table
 from moegen.weights import pack_tiles
 
 
@@ -16,7 +16,7 @@ def test_grouped_gemm_compiles_clean(tiles):
     res = compile_cuda(render_grouped_gemm(tiles), "sm_90a", use_cache=False).resources
     names = [tiles.name, "moe_prefill_group_count", "moe_prefill_group_scan", "moe_prefill_group_place",
              "moe_prefill_combine", "moe_prefill_permute"]
-    if tiles.bn <= 128:  # the packed-weight GEMMs hold two accumulator sets
+    if tiles.bn <= max(PREFILL_BN):  # the packed-weight GEMMs hold two accumulator sets
         names += [tiles.gate_up_name] + [f"{tiles.down_name}_m{m}" for m in (1, 2, 4)]
     assert set(res) == set(names)
     for name in names:
@@ -580,7 +580,8 @@ def test_weight_on_input_layers_get_prefill_buckets():
     assert ks["prefill_place"].targs == ("true",) and ks["prefill_place"].arg_keys[-3:] == ("ws.topk_w", "ws.slot_w", "n")
     gu = ks["prefill_gemm_gate_up"]
     assert gu.targs[-1] == "true" and gu.args[-3:] == ("nullptr", "nullptr", "wrow") and gu.arg_keys[-1] == "ws.slot_w"
-    assert len(ks["prefill_gemm_gate_up_shared"].targs) < 9 and "wrow" not in ks["prefill_gemm_gate_up_shared"].args
+    shared = ks["prefill_gemm_gate_up_shared"].targs  # (WOI, the ninth, false: listed where a later one is not its default)
+    assert (len(shared) < 9 or shared[8] == "false") and "wrow" not in ks["prefill_gemm_gate_up_shared"].args
     assert ks["prefill_combine"].targs == ("true",)
     _compiles_clean(spec, plan, ks.values())
     why = prefill_plan.unsupported(Layer.of(spec, TARGETS[spec.arch], Tuning(prefill_ws=False)))
@@ -760,3 +761,84 @@ def test_the_down_gemms_stage_their_y_tile_where_persistent_with_bf16_or_fp4_wei
     assert ("_sy_" in routed_down.name) == routed == sty, routed_down
     off = make_plan(spec, tuning=Tuning(prefill_stage_y=False))
     assert not [k for k in off.kernels if "_sy_" in k.name]
+
+
+def test_expected_tiles_match_sampled_routing():
+    """prefill_plan.expected_tiles (the mean of ceil(c / bn) for an expert's rows c ~ Binomial(rows, p))
+    against the mean over sampled counts: the same within the samples' error."""
+    from moegen.prefill_plan import expected_tiles
+
+    rng = np.random.default_rng()
+    for rows, p, bn in ((16384, 1 / 8, 160), (16384, 1 / 8, 128), (8192 * 8, 1 / 128, 160), (700, 0.3, 128), (50, 0.5, 160)):
+        c = rng.binomial(rows, p, 200_000)
+        sampled = np.ceil(c / bn)
+        assert abs(expected_tiles(rows, p, bn) - sampled.mean()) < 5 * sampled.std() / np.sqrt(len(c)) + 1e-9, (rows, p, bn)
+    assert expected_tiles(1000, 1.0, 128) == 8  # every row to the one expert
+
+
+@pytest.mark.parametrize("name,bn", [("mixtral-8x7b", 160), ("llama-4-scout", 160), ("gpt-oss-20b", 160),
+                                     ("qwen3-30b-a3b", 128), ("qwen3-next-80b-a3b", 128), ("qwen3-30b-a3b-fp8", 64),
+                                     ("qwen3-30b-a3b-nvfp4", 128)])
+def test_bf16_gemms_take_the_wider_tile_where_it_costs_fewer_bytes(name, bn):
+    """The analytic token rows a tile: 160 for BF16 layers whose experts' rows at the largest bucket
+    pad 160-row tiles less than the bytes they save (Mixtral-8x7B, Llama-4-Scout with its shared
+    expert, GPT-OSS-20B with biases), 128 where the down GEMM stages its Y tile a token row a thread
+    (Qwen3-30B-A3B, Qwen3-Next), FP8 block's 64 and FP4's 128 as before; the kernels' names and BNT
+    say so; the tuning prefill_bn overrides it for BF16 layers and is refused for others."""
+    from pathlib import Path
+
+    from moegen import prefill_plan
+    from moegen.families import Layer, Tuning
+    from moegen.plan import TARGETS, PlanError, make_plan
+    from moegen.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+    c = Layer.of(spec, TARGETS[spec.arch])
+    t = prefill_plan.tiles(c)
+    assert t.bn == bn and t.packed_rows == bn and not (bn > 128 and t.stage_y)
+    assert t.gate_up_smem_bytes <= TARGETS[spec.arch].smem_per_block
+    def gemms(plan):  # the routed experts' GEMMs, and the shared expert's (at most 128 token rows a tile)
+        ks = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+        return [k for k in ks if not k.family.endswith("_shared")], [k for k in ks if k.family.endswith("_shared")]
+
+    plan = make_plan(spec)
+    routed, shared = gemms(plan)
+    assert len(routed) == 2 and all(f"_bn{bn}_" in k.name for k in routed), [k.name for k in routed]
+    assert all(f"_bn{min(bn, 128)}_" in k.name for k in shared) and bool(shared) == bool(c.si), [k.name for k in shared]
+    assert any(k.name.startswith("moe_prefill_scan") and f"_r{bn}_" in k.name for k in plan.kernels)
+    if spec.experts.format.value == "bf16":
+        for other in (128, 160):
+            routed, shared = gemms(make_plan(spec, tuning=Tuning(prefill_bn=other)))
+            assert all(f"_bn{other}_" in k.name for k in routed) and all("_bn128_" in k.name for k in shared)
+    else:
+        with pytest.raises(PlanError, match="prefill_bn=160: wider tiles than 128 take BF16 experts"):
+            make_plan(spec, tuning=Tuning(prefill_bn=160))
+    with pytest.raises(PlanError, match="prefill_bn=192"):
+        make_plan(spec, tuning=Tuning(prefill_bn=192))
+    if spec.experts.format.value == "bf16":
+        with pytest.raises(PlanError, match="prefill_bn=160: wider tiles than 128 take the producer warpgroup"):
+            make_plan(spec, tuning=Tuning(prefill_bn=160, prefill_down_pair=False))
+
+
+def test_wide_tile_gemms_compile_without_spills_or_serialized_wgmma():
+    """Mixtral-8x7B's prefill GEMMs at 160 token rows a tile (the A fragments a k-step at a time) and
+    Qwen3-30B-A3B's with the tuning prefill_bn=160 (its shared-expert-free layer; the staged Y tile
+    then off): no spills or stack, none of ptxas's warnings of serialized wgmmas."""
+    from pathlib import Path
+
+    from moegen.build import render_all
+    from moegen.families import Tuning
+    from moegen.plan import make_plan
+    from moegen.spec import load_spec
+
+    for name, tuning in (("mixtral-8x7b", None), ("qwen3-30b-a3b", Tuning(prefill_bn=160))):
+        spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml")
+        plan = make_plan(spec, tuning=tuning)
+        out = compile_cuda(render_all(spec, plan)["layer.cu"], plan.arch, use_cache=False)
+        for code in PTXAS_WARNINGS:
+            assert code not in out.log, out.log
+        gemms = [k for k in plan.kernels if k.family.startswith("prefill_gemm")]
+        assert len(gemms) == 2 and all("_bn160_" in k.name and "_sy_" not in k.name for k in gemms)
+        for k in gemms:
+            r = out.resources[k.name]
+            assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (k.name, r)

@@ -1974,12 +1974,12 @@ MOE_DEVICE void fence_regs(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// d (64 x 128 fp32, this thread's 64) = A (64 x 16) * B (16 x 128) + (accumulate ? d : 0)
-MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long long b, int accumulate) {
+// d (64 x 160 fp32, this thread's 80) = A (64 x 16) * B (16 x 160) + (accumulate ? d : 0)
+MOE_DEVICE void wgmma_bf16(float (&d)[80], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79 }, %80, %81, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 }  // namespace gg
@@ -1995,6 +1995,14 @@ MOE_DEVICE void wgmma_bf16(float (&d)[64], unsigned long long a, unsigned long l
 // tok as above. Gate and up of a row are in the same thread: the activation is applied in
 // registers and H written in bf16.
 namespace gg {
+// d += A (this warp's 16 rows x 16 K, registers) * B (16 x 160, desc b)
+MOE_DEVICE void wgmma_bf16_ra(float (&d)[80], const uint4& a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79 }, { %80, %81, %82, %83 }, %84, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(b), "r"(accumulate));
+}
 // d += A (this warp's 16 rows x 16 K, registers) * B (16 x 128, desc b)
 MOE_DEVICE void wgmma_bf16_ra(float (&d)[64], const uint4& a, unsigned long long b, int accumulate) {
   asm volatile(
@@ -2268,7 +2276,7 @@ MOE_DEVICE void cp_async_mbar_arrive(u32 addr) {
 // BF16's on the same bf16 X'; NV's scale_2 multiplies the finished sums. The producers copy each
 // k-tile's scales of every warp into the stage beside the codes.
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 160, bool PT8 = false,
           bool STY = false>
 MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                                const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
@@ -2301,6 +2309,13 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
+  // FINE (BF16 weights, more than 128 tokens a tile): the A fragments a k-step at a time, two sets
+  // of NACC registers instead of two k-tiles' (4 NACC), which leaves room for the wider tile's sums
+#ifdef MOE_FINE_FRAGS
+  constexpr bool FINE = !C8 && !F4;  // (a measurement: the k-step fragments at 128 tokens too)
+#else
+  constexpr bool FINE = !C8 && !F4 && BNT > 128;
+#endif
   // a k-tile: 128 bytes of each token row (64 bf16 K); KBT k-tiles a 128-wide K block
   constexpr int BN = BNT, BK = 64, KBT = 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
@@ -2316,7 +2331,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
-                (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
+                (STAGE % 1024) == 0 && BN * 4 <= 1024 && (!STY || BN <= PT), "tile shape");
   constexpr size_t ROW_BYTES_PER_K = 2;
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
@@ -2471,6 +2486,12 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
           af[a][kk] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
     }
   };
+  // FINE: k-step kk's fragments of the stage at st
+  auto frag1 = [&](uint4 (&af)[NACC], u32 st, int kk) {
+#pragma unroll
+    for (int a = 0; a < NACC; ++a)
+      af[a] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+  };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
   // released (within the block: the last stage is released after the block's last group) and
   // the next k-tile's fragments loaded
@@ -2539,11 +2560,47 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
     }
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
       scw = sc + ((size_t)blk.e * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
-    uint4 af0[NACC][4], af1[NACC][4];
-    frags(af0, gk);
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      step(kt, gk + kt, af0, af1);
-      if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+    if constexpr (FINE) {
+      // a k-step's fragments at a time (two sets): k-step j's wgmmas are one group, and once group
+      // j - 1 is done its set takes k-step j + 1's
+      uint4 f0[NACC], f1[NACC];
+      mbar_wait(full + ((u32)gk % S) * BSTEP, ((u32)gk / S) & 1);
+      gg::fence_async_smem();
+      frag1(f0, base + ((u32)gk % S) * STAGE, 0);
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const int g = gk + kt;
+        const u32 st = base + ((u32)g % S) * STAGE;
+        const unsigned long long bd0 = gg::smem_desc(st);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          uint4 (&cur)[NACC] = kk % 2 ? f1 : f0;
+          uint4 (&nxt)[NACC] = kk % 2 ? f0 : f1;
+          gg::wg_fence();
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a], bd0 + 2 * kk, kt > 0 || kk > 0);
+          gg::wg_commit();
+          gg::wg_wait<1>();  // k-step j - 1's group is done: its fragment set is free (and at kk 0, the stage before)
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+          if (kk == 0 && kt > 0) gg::mbar_arrive(empty + ((u32)(g - 1) % S) * BSTEP);
+          if (kk < 3) {
+            frag1(nxt, st, kk + 1);
+          } else if (kt + 1 < ktiles) {
+            mbar_wait(full + ((u32)(g + 1) % S) * BSTEP, ((u32)(g + 1) / S) & 1);
+            gg::fence_async_smem();
+            frag1(nxt, base + ((u32)(g + 1) % S) * STAGE, 0);
+          }
+        }
+      }
+    } else {
+      uint4 af0[NACC][4], af1[NACC][4];
+      frags(af0, gk);
+      for (int kt = 0; kt < ktiles; kt += 2) {
+        step(kt, gk + kt, af0, af1);
+        if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+      }
     }
     gg::wg_wait<0>();
 #pragma unroll
@@ -2609,9 +2666,11 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       else asm volatile("bar.arrive 3, 256;" ::: "memory");
       staged = true;
     } else if constexpr (PAIR) {  // the group's two tiles
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, eb0);
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr,
-                                                            eb0);
+      // (past 128 tokens 4-byte words: the 8-byte ones' exchange spilled beside the wider sums)
+      prefill_store<false, NACC, BN, true, true, false, BIAS, BN <= 128>(acc, 2 * it, lane, rows, row0, n_out, out, 0,
+                                                                       nullptr, eb0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS, BN <= 128>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1,
+                                                                       nullptr, eb0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
       prefill_store<GATED, NACC, BN, true, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
@@ -2663,7 +2722,7 @@ MOE_DEVICE float ldsf(u32 addr) {
 // The GEMMs on packed weights: the FP8-activation ones (A8: prefill_gemm_a8, its own layout and
 // tile) or the others (prefill_gemm_w)
 template <bool GATED, int MATS, bool GATHER = GATED, bool FP8 = false, bool A8 = false, bool PAIR = false,
-          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 128, bool PT8 = false,
+          bool BULK = false, int F4 = 0, bool WOI = false, bool BIAS = false, int BNT = 160, bool PT8 = false,
           bool STY = false, bool XROWS = false, bool IDLE = false>
 MOE_DEVICE void prefill_gemm(const void* __restrict__ xp, const int* __restrict__ tok, const uint4* __restrict__ w,
                              const int* __restrict__ tiles, void* __restrict__ out, int n_out, int k_dim,
@@ -3068,12 +3127,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_count_e384_k6_sm_
   prefill_count_body(ids, n * 6, 384, counts);
 }
 #endif
-// prefill: each expert's first row and the tile table (128 token rows a tile); the shared expert's tiles
+// prefill: each expert's first row and the tile table (160 token rows a tile); the shared expert's tiles
 #if !defined(MOE_PART) || MOE_PART == 1
-extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e384_k6_r128_n16384_shared_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_scan_e384_k6_r160_n16384_shared_r128_sm_90a(int* __restrict__ counts, int* __restrict__ first, int* __restrict__ tiles, int* __restrict__ stiles, int n) {
   grid_dep_wait();
   grid_dep_launch();
-  prefill_scan_body(counts, (n * 6 + 1023) / 1024, 384, 128, 1152, first, tiles, n, stiles, 128);
+  prefill_scan_body(counts, (n * 6 + 1023) / 1024, 384, 160, 999, first, tiles, n, stiles, 128, 128);
 }
 #endif
 // prefill: each (token, choice) entry's row, grouped by expert in a stable order
@@ -3084,28 +3143,28 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_place_e384_k6_sm_
   prefill_place_body(ids, n * 6, 384, 6, counts, first, tok, slot);
 }
 #endif
-// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 128 tokens a block
+// prefill: H' = silu(X' Wg) * (X' Wu) per expert, wgmma (register A) on the packed tiles, 8 16-row tiles x 160 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e384_k6_h7168_i3072_bm128_bn128_s4_ws_bulk_bf16_silu_gated_l10_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n) {
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_e384_k6_h7168_i3072_bm128_bn160_s4_ws_bulk_bf16_silu_gated_l10_sm_90a(const bf16_t* __restrict__ xp, int* __restrict__ tok, const uint4* __restrict__ w13, int* __restrict__ tiles, bf16_t* __restrict__ h, int n) {
   prefill_gemm<true, 2, true, false, false, false, true>(xp, tok, w13, tiles, h, 3072, 7168, 192, 384, n, 6, 384);
 }
 #endif
-// prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 128 tokens a block
+// prefill: Y = H' Wd per expert (bf16), 8 16-row tiles x 160 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 0
-extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e384_k6_h7168_i3072_bm128_bn128_s4_ws_pair_bulk_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
+extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_e384_k6_h7168_i3072_bm128_bn160_s4_ws_pair_bulk_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ w2, int* __restrict__ tiles, bf16_t* __restrict__ y, int n) {
   prefill_gemm<false, 2, false, false, false, true, true>(hp, nullptr, w2, tiles, y, 7168, 3072, 448, 384, n, 6, 384);
 }
 #endif
 // prefill: the shared expert's H' = silu(X' Wg) * (X' Wu), 128 tokens a block
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_gate_up_shared_h7168_i3072_bm128_bn128_s4_ws_bulk_bf16_silu_gated_l10_sm_90a(const bf16_t* __restrict__ xp, const uint4* __restrict__ ws13, int* __restrict__ stiles, bf16_t* __restrict__ h, int n) {
-  prefill_gemm<true, 2, false, false, false, false, true>(xp, nullptr, ws13, stiles, h, 3072, 7168, 192, 1, n, 1, 0);
+  prefill_gemm<true, 2, false, false, false, false, true, 0, false, false, 128>(xp, nullptr, ws13, stiles, h, 3072, 7168, 192, 1, n, 1, 0);
 }
 #endif
 // prefill: the shared expert's YS = H' Wd (bf16)
 #if !defined(MOE_PART) || MOE_PART == 1
 extern "C" __global__ void __launch_bounds__(384) moe_prefill_down_shared_h7168_i3072_bm128_bn128_s4_ws_pair_bulk_m2_bf16_sm_90a(const bf16_t* __restrict__ hp, const uint4* __restrict__ ws2, int* __restrict__ stiles, bf16_t* __restrict__ y, int n) {
-  prefill_gemm<false, 2, false, false, false, true, true>(hp, nullptr, ws2, stiles, y, 7168, 3072, 448, 1, n, 1, 0);
+  prefill_gemm<false, 2, false, false, false, true, true, 0, false, false, 128>(hp, nullptr, ws2, stiles, y, 7168, 3072, 448, 1, n, 1, 0);
 }
 #endif
 // prefill: out = sum_j w[t, j] * Y[row(t, j)] (zero experts: w * x), choices in order + YS

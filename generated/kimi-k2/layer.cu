@@ -3547,6 +3547,13 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   // TWO: a warp's weights are two 16-row matrices side by side in every chunk (gate and up; or
   // PAIR, the two tiles of a down row group: the same layout), so the same copies and fragments
   constexpr bool TWO = GATED || PAIR;
+  // FINE (BF16 weights, more than 128 tokens a tile): the A fragments a k-step at a time, two sets
+  // of NACC registers instead of two k-tiles' (4 NACC), which leaves room for the wider tile's sums
+#ifdef MOE_FINE_FRAGS
+  constexpr bool FINE = !C8 && !F4;  // (a measurement: the k-step fragments at 128 tokens too)
+#else
+  constexpr bool FINE = !C8 && !F4 && BNT > 128;
+#endif
   // a k-tile: 128 bytes of each token row (64 bf16 K); KBT k-tiles a 128-wide K block
   constexpr int BN = BNT, BK = 64, KBT = 2, S = GATED ? 4 : 4;
   constexpr int CONSUMERS = 256, WARPS = CONSUMERS / 32;
@@ -3562,7 +3569,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   constexpr int STAGE = B_BYTES + WARPS * A_WARP + SC_BYTES;
   constexpr int BJ = BN * 8 / PT, AJ = WARPS * UNITS * 32 / PT, NACC = TWO ? 2 : 1;
   static_assert(BJ * PT == BN * 8 && AJ * PT == WARPS * UNITS * 32 && S >= 2 && (B_BYTES % 1024) == 0 &&
-                (STAGE % 1024) == 0 && BN * 4 <= 1024 && BN <= PT, "tile shape");
+                (STAGE % 1024) == 0 && BN * 4 <= 1024 && (!STY || BN <= PT), "tile shape");
   constexpr size_t ROW_BYTES_PER_K = 2;
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
@@ -3717,6 +3724,12 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
           af[a][kk] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
     }
   };
+  // FINE: k-step kk's fragments of the stage at st
+  auto frag1 = [&](uint4 (&af)[NACC], u32 st, int kk) {
+#pragma unroll
+    for (int a = 0; a < NACC; ++a)
+      af[a] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+  };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
   // released (within the block: the last stage is released after the block's last group) and
   // the next k-tile's fragments loaded
@@ -3785,11 +3798,47 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
     }
     if constexpr (FP8)  // the 128-row block of this warpgroup's 64 rows (PAIR: 128)
       scw = sc + ((size_t)blk.e * (n_out / 128) + (PAIR ? it / 4 : it / 8)) * (k_dim / 128);
-    uint4 af0[NACC][4], af1[NACC][4];
-    frags(af0, gk);
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      step(kt, gk + kt, af0, af1);
-      if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+    if constexpr (FINE) {
+      // a k-step's fragments at a time (two sets): k-step j's wgmmas are one group, and once group
+      // j - 1 is done its set takes k-step j + 1's
+      uint4 f0[NACC], f1[NACC];
+      mbar_wait(full + ((u32)gk % S) * BSTEP, ((u32)gk / S) & 1);
+      gg::fence_async_smem();
+      frag1(f0, base + ((u32)gk % S) * STAGE, 0);
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const int g = gk + kt;
+        const u32 st = base + ((u32)g % S) * STAGE;
+        const unsigned long long bd0 = gg::smem_desc(st);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          uint4 (&cur)[NACC] = kk % 2 ? f1 : f0;
+          uint4 (&nxt)[NACC] = kk % 2 ? f0 : f1;
+          gg::wg_fence();
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::wgmma_bf16_ra(acc[a], cur[a], bd0 + 2 * kk, kt > 0 || kk > 0);
+          gg::wg_commit();
+          gg::wg_wait<1>();  // k-step j - 1's group is done: its fragment set is free (and at kk 0, the stage before)
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
+          if (kk == 0 && kt > 0) gg::mbar_arrive(empty + ((u32)(g - 1) % S) * BSTEP);
+          if (kk < 3) {
+            frag1(nxt, st, kk + 1);
+          } else if (kt + 1 < ktiles) {
+            mbar_wait(full + ((u32)(g + 1) % S) * BSTEP, ((u32)(g + 1) / S) & 1);
+            gg::fence_async_smem();
+            frag1(nxt, base + ((u32)(g + 1) % S) * STAGE, 0);
+          }
+        }
+      }
+    } else {
+      uint4 af0[NACC][4], af1[NACC][4];
+      frags(af0, gk);
+      for (int kt = 0; kt < ktiles; kt += 2) {
+        step(kt, gk + kt, af0, af1);
+        if (kt + 1 < ktiles) step(kt + 1, gk + kt + 1, af1, af0);
+      }
     }
     gg::wg_wait<0>();
 #pragma unroll
@@ -3855,9 +3904,11 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       else asm volatile("bar.arrive 3, 256;" ::: "memory");
       staged = true;
     } else if constexpr (PAIR) {  // the group's two tiles
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it, lane, rows, row0, n_out, out, 0, nullptr, eb0);
-      prefill_store<false, NACC, BN, true, true, false, BIAS>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1, nullptr,
-                                                            eb0);
+      // (past 128 tokens 4-byte words: the 8-byte ones' exchange spilled beside the wider sums)
+      prefill_store<false, NACC, BN, true, true, false, BIAS, BN <= 128>(acc, 2 * it, lane, rows, row0, n_out, out, 0,
+                                                                       nullptr, eb0);
+      prefill_store<false, NACC, BN, true, true, false, BIAS, BN <= 128>(acc, 2 * it + 1, lane, rows, row0, n_out, out, 1,
+                                                                       nullptr, eb0);
     } else {
       // (GATHER false: the shared expert's rows, every token in order)
       prefill_store<GATED, NACC, BN, true, GATHER || PT8 || ActRule::SHARED_LIMIT, WOI, BIAS>(acc, it, lane, rows, row0, n_out,
