@@ -2446,6 +2446,10 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
   for (int a = 0; a < NACC; ++a)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[a][i] = 0.0f;
+  // BF16: matrix a's fragment of k-step kk (= 2 * chunk + s) in the stage at st
+  auto frag_at = [&](u32 st, int a, int kk) -> uint4 {
+    return gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+  };
   // Two sets of A registers: k-tile g + 1's fragments load while k-tile g's wgmmas run.
   auto frags = [&](uint4 (&af)[NACC][4], int g) {
     mbar_wait(full + ((u32)g % S) * BSTEP, ((u32)g / S) & 1);
@@ -2472,17 +2476,15 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       }
     } else {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)  // per k-step kk = 2 * chunk + s
+      for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int a = 0; a < NACC; ++a)
-          af[a][kk] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+        for (int a = 0; a < NACC; ++a) af[a][kk] = frag_at(st, a, kk);
     }
   };
   // FINE: k-step kk's fragments of the stage at st
   auto frag1 = [&](uint4 (&af)[NACC], u32 st, int kk) {
 #pragma unroll
-    for (int a = 0; a < NACC; ++a)
-      af[a] = gg::lds128(st + adst + (TWO ? (((kk >> 1) * 2 + a) * 2 + (kk & 1)) : kk) * 512);
+    for (int a = 0; a < NACC; ++a) af[a] = frag_at(st, a, kk);
   };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
   // released (within the block: the last stage is released after the block's last group) and
