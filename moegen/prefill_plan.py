@@ -104,7 +104,9 @@ EW_THREADS = 256  # permute and combine
 # tile would lose (a shared expert's GEMMs keep 128: shared_tiles_of). Measured on the H200 (2026-12-04, one
 # process, the same bits, us per layer, 128 against 160): Mixtral-8x7B 2829.0 / 9987.8 against
 # 2804.2 / 9442.7 at N = 2048 / 8192; Qwen3-30B-A3B (staged Y at 128) 461.1 / 1380.0 against 417.3
-# / 1465.3.
+# / 1465.3. One width a layer: its small buckets, where an expert's rows fit one tile at either
+# width, pay 2-7% at 160 (Mixtral-8x7B 716.6 against 763.6 us at N = 256; README, Prefill, where the
+# same cost per bucket, with the staged Y counted, picks the faster width at 16 measurements).
 WIDE_BN = 160
 
 
