@@ -245,15 +245,15 @@ class Tuning:
         if self.prefill_bn not in (0, *PREFILL_BN):
             raise TuningError(f"tuning prefill_bn={self.prefill_bn}: {' or '.join(map(str, PREFILL_BN))} token rows a tile "
                               "(0: the analytic choice)")
-        if self.prefill_bn > 128 and spec.experts.format.value != "bf16":
-            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than 128 take BF16 experts, "
+        if self.prefill_bn > PREFILL_BN[0] and spec.experts.format.value != "bf16":
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than {PREFILL_BN[0]} take BF16 experts, "
                               f"not {spec.experts.format.value}")
-        if self.prefill_bn > 128 and not (self.prefill_ws and self.prefill_bulk_a and self.prefill_down_pair
+        if self.prefill_bn > PREFILL_BN[0] and not (self.prefill_ws and self.prefill_bulk_a and self.prefill_down_pair
                                           and self.down_tiles == 2 and self.prefill_bm in (0, 128)):
-            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than 128 take the producer warpgroup, "
+            raise TuningError(f"tuning prefill_bn={self.prefill_bn}: wider tiles than {PREFILL_BN[0]} take the producer warpgroup, "
                               "two consumer warpgroups, the weights by bulk copies and the down GEMM on row-group pairs "
                               "(prefill_ws, prefill_bm, prefill_bulk_a, prefill_down_pair, down_tiles=2)")
-        if self.prefill_bn > 128 and self.prefill_stage_y:
+        if self.prefill_bn > PREFILL_BN[0] and self.prefill_stage_y:
             raise TuningError(f"tuning prefill_bn={self.prefill_bn} with prefill_stage_y: the staged Y tile takes at "
                               "most 128 token rows (a row a consumer thread)")
         if self.prefill_down_stages not in (0, *PREFILL_STAGES):

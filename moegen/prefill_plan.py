@@ -113,13 +113,16 @@ WIDE_BN = 160
 def expected_tiles(rows: int, p: float, bn: int) -> float:
     """E[ceil(c / bn)] for c ~ Binomial(rows, p): the tiles of an expert that each of `rows` routing
     choices picks with probability p (summed over the counts within 10 standard deviations)."""
+    if p >= 1.0:  # every choice to the one expert
+        return float(-(-rows // bn))
     mean, sd = rows * p, math.sqrt(rows * p * (1.0 - p))
     lo, hi = max(0, int(mean - 10 * sd) - 1), min(rows, int(mean + 10 * sd) + 2)
-    logpmf = (lambda c: math.lgamma(rows + 1) - math.lgamma(c + 1) - math.lgamma(rows - c + 1)
-              + c * math.log(p) + (rows - c) * math.log1p(-p)) if 0 < p < 1 else None
-    if logpmf is None:
-        return float(-(-int(mean) // bn))
-    return sum(math.exp(logpmf(c)) * -(-c // bn) for c in range(lo, hi + 1))
+    head = math.lgamma(rows + 1)
+
+    def pmf(c: int) -> float:
+        return math.exp(head - math.lgamma(c + 1) - math.lgamma(rows - c + 1) + c * math.log(p) + (rows - c) * math.log1p(-p))
+
+    return sum(pmf(c) * -(-c // bn) for c in range(lo, hi + 1))
 
 
 def tile_bn(c: Layer, fmt: str, bm: int, ws: bool, staged: bool) -> int:

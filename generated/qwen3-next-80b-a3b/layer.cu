@@ -3727,10 +3727,16 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
         for (int a = 0; a < NACC; ++a) af[a][kk] = frag_at(st, a, kk);
     }
   };
-  // FINE: k-step kk's fragments of the stage at st
+  // FINE: k-step kk's fragments of the stage at st; k-step 0's of the block's g-th k-tile, once its
+  // stage has landed
   auto frag1 = [&](uint4 (&af)[NACC], u32 st, int kk) {
 #pragma unroll
     for (int a = 0; a < NACC; ++a) af[a] = frag_at(st, a, kk);
+  };
+  auto frag1_first = [&](uint4 (&af)[NACC], int g) {
+    mbar_wait(full + ((u32)g % S) * BSTEP, ((u32)g / S) & 1);
+    gg::fence_async_smem();
+    frag1(af, base + ((u32)g % S) * STAGE, 0);
   };
   // k-tile kt of the block, the block's gk-th: one wgmma group; then k-tile gk - 1's stage is
   // released (within the block: the last stage is released after the block's last group) and
@@ -3804,9 +3810,7 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
       // a k-step's fragments at a time (two sets): k-step j's wgmmas are one group, and once group
       // j - 1 is done its set takes k-step j + 1's
       uint4 f0[NACC], f1[NACC];
-      mbar_wait(full + ((u32)gk % S) * BSTEP, ((u32)gk / S) & 1);
-      gg::fence_async_smem();
-      frag1(f0, base + ((u32)gk % S) * STAGE, 0);
+      frag1_first(f0, gk);
       for (int kt = 0; kt < ktiles; ++kt) {
         const int g = gk + kt;
         const u32 st = base + ((u32)g % S) * STAGE;
@@ -3825,13 +3829,8 @@ MOE_DEVICE void prefill_gemm_w(const void* __restrict__ xp, const int* __restric
 #pragma unroll
           for (int a = 0; a < NACC; ++a) gg::fence_regs(acc[a]);
           if (kk == 0 && kt > 0) gg::mbar_arrive(empty + ((u32)(g - 1) % S) * BSTEP);
-          if (kk < 3) {
-            frag1(nxt, st, kk + 1);
-          } else if (kt + 1 < ktiles) {
-            mbar_wait(full + ((u32)(g + 1) % S) * BSTEP, ((u32)(g + 1) / S) & 1);
-            gg::fence_async_smem();
-            frag1(nxt, base + ((u32)(g + 1) % S) * STAGE, 0);
-          }
+          if (kk < 3) frag1(nxt, st, kk + 1);
+          else if (kt + 1 < ktiles) frag1_first(nxt, g + 1);
         }
       }
     } else {
