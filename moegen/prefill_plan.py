@@ -214,8 +214,8 @@ def unsupported(c: Layer) -> str:
          "FP8 per-tensor experts without the producer warpgroup, or with a shared expert, biases or the weights on the input"),
         (fp8 and not c.tune.prefill_ws, "FP8 weights without the producer warpgroup (tuning prefill_ws=False)"),
         (fp8 and c.a8 and not tiles(c).a8,
-         "FP8 activations without two consumer warpgroups and the down GEMM on row-group pairs (tunings prefill_bm, "
-         "prefill_down_pair, down_tiles=2)"),
+         ("FP8 activations without two consumer warpgroups and the down GEMM on row-group pairs (tunings prefill_bm, "
+          "prefill_down_pair, down_tiles=2)")),
         (tiles(c).a8 and c.h % 128, "FP8 activations with a hidden width not a multiple of 128"),
         (c.fmt_e in FP4_FORMATS and not tiles(c).fp4,
          (f"{c.fmt_e} weights without the producer warpgroup's bulk copies and row-group pairs (tunings prefill_ws, "
@@ -549,7 +549,7 @@ def kernels(c: Layer, halves: bool = False, xrows: bool = False) -> dict[str, Ke
                           ("hp", "nullptr", "w2", "tiles", "y", str(h), str(i), str(h // 16), str(e), "n", str(k), str(e),
                            *tmap(tail("s2", "sa", biases=("b_down",) if c.bias else ()), 1, "actq")),
                           "prefill_gemm",
-                          f"prefill: Y = H' Wd per expert (bf16), " + ("two 64-row tiles x 128 columns a block" if t.a8 else
+                          "prefill: Y = H' Wd per expert (bf16), " + ("two 64-row tiles x 128 columns a block" if t.a8 else
                                                                         f"{warps} 16-row tiles x {t.packed_rows} tokens a block")),
         "combine": kern("combine", f"combine_h{h}_k{k}" + (("_sgate" if c.gated else "_shared") if si else "")
                         + ("_winput" if c.woi else ""), EW_THREADS, ("true",) if c.woi else (),

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moegen.bench import _random_weights  # every weight format, made on the device
 from moegen import prefill_plan
+from moegen.bench import _random_weights  # every weight format, made on the device
 from moegen.build import render_all, write_dir
 from moegen.families import Tuning
 from moegen.plan import make_plan

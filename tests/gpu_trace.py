@@ -43,12 +43,12 @@ PLACES = (
      "  MOE_MARK(4, 0); MOE_MARK(5, 32);\n", True),
     ("    // 4. (COLS) block b's output rows 16 rb", "    MOE_MARK(6, 0); MOE_MARK(7, 32);\n", True),
     ("  } else {\n\n  // 4. down + the weighted sum", "    MOE_MARK(9, 0);\n", True),
-    ("        if (!__syncthreads_or(stale)) break;\n        __nanosleep(64);\n      }\n#pragma unroll\n"
-     "      for (int n = 0; n < NTOK; ++n) {\n        float y = 0.0f;", None, False),
-    ("#pragma unroll\n  for (int i = 0; i < EPL; ++i) {\n    const int e = expert(i);\n"
-     "    v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;", "  MOE_MARK(10, 0);\n", True),
-    ("    const u32 bound = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < K ? head "
-     ": 0xffffffffu);\n", "    MOE_MARK(11, 0);\n", False),
+    (("        if (!__syncthreads_or(stale)) break;\n        __nanosleep(64);\n      }\n#pragma unroll\n"
+      "      for (int n = 0; n < NTOK; ++n) {\n        float y = 0.0f;"), None, False),
+    (("#pragma unroll\n  for (int i = 0; i < EPL; ++i) {\n    const int e = expert(i);\n"
+      "    v[i] = e < E ? route_logit<R>(v[i], router_bias, e) : MOE_NEG_INF;"), "  MOE_MARK(10, 0);\n", True),
+    (("    const u32 bound = __reduce_min_sync(0xffffffffu, above[0] + above[1] + above[2] + above[3] < K ? head "
+      ": 0xffffffffu);\n"), "    MOE_MARK(11, 0);\n", False),
     ("    off -= cnt;\n", "    MOE_MARK(12, 0);\n", False),
     ("  __syncwarp();\n  if constexpr (OVERLAP) {  // every choice written", "  MOE_MARK(13, 0);\n", True),
     ("    mbar_arrive(chosen);\n  }\n", "  MOE_MARK(14, 0);\n", False),
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> None:
     handle = code.modules[kernel.part if len(code.modules) > 1 else 0].handle
     try:  # (cuda.core loads a cubin as a library; an older one as a module)
         found = drv.cuLibraryGetGlobal(handle, b"moe_trace")
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure of the library call: the module form
         found = drv.cuModuleGetGlobal(handle, b"moe_trace")
     if found[0] != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"finding the marks: {found[0]}")

@@ -634,7 +634,7 @@ def test_check_names_spilling_kernels_and_goes_on(tmp_path: Path, monkeypatch):
     def spilling(spec_path: str, out_root: str):
         built = real(spec_path, out_root)
         res = dict(built.compiled.resources)
-        name = sorted(res)[0]
+        name = min(res)
         res[name] = KernelResources(128, 0, 8, 4, 4)
         return dataclasses.replace(built, compiled=dataclasses.replace(built.compiled, resources=res))
 

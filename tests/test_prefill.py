@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from moegen.nvrtc import compile_cuda
-from moegen.prefill import PREFILL_BN, TILE_INTS, GemmTiles, group_by_expert, k_permutation, permute_k, render_grouped_gemm, tile_table
+from moegen.prefill import (
+    PREFILL_BN,
+    TILE_INTS,
+    GemmTiles,
+    group_by_expert,
+    k_permutation,
+    permute_k,
+    render_grouped_gemm,
+    tile_table,
+)
 from moegen.weights import pack_tiles
 
 
@@ -353,7 +362,7 @@ def test_fp8_activation_buckets_cut_their_tiles_at_128_rows_from_64_rows_an_expe
             if gemm.grid[0] != "sms":  # a block per (row block, tile; a pair of 64-row tiles)
                 tiles = -(-b.max_tokens * k // (128 if halves else 64)) + e
                 assert gemm.grid[1] == (tiles if halves else -(-tiles // 2)), (gemm.kernel, gemm.grid)
-    assert [m for m, h in seen if h][0] == first and all(h == (m >= first) for m, h in seen), seen
+    assert next(m for m, h in seen if h) == first and all(h == (m >= first) for m, h in seen), seen
 
 
 
@@ -494,7 +503,7 @@ def test_the_analytic_crossover_is_where_the_h200_measured_it(name, first, cut):
     plan = make_plan(load_spec(Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml"))
     assert plan.prefill_from == first
     sizes = [b.max_tokens for b in plan.buckets]
-    assert [b for b in sizes if b >= first][0] == first
+    assert next(b for b in sizes if b >= first) == first
     # the GEMV path's last bucket: the crossover's cut inside the first prefill bucket, or the
     # power of two below it; every other bucket a power of two (or max_tokens)
     assert max(b for b in sizes if b < first) == (cut or first // 2)

@@ -346,7 +346,7 @@ def test_two_tokens_are_one_launch_where_a_group_takes_few_units(fake_cuda):
     rec.launches.clear()  # the packing's
     layer(FakeArray((2, plan.hidden), "bfloat16"), out=FakeArray((2, plan.hidden), "bfloat16", ptr=0x7200_0000_0000),
           stream=5)
-    (kernel, config, args), = rec.launches
+    (kernel, config, _), = rec.launches
     assert kernel == ln.kernel and "_x2_" in kernel and config.grid == (132, 1) and config.is_cooperative
     assert config.shmem_size == ln.smem and drv.smem[kernel] >= ln.smem
 
