@@ -39,7 +39,7 @@ def _device(device: Any) -> Any:
         return device
     try:
         return Device()
-    except Exception as exc:
+    except Exception as exc:  # a missing driver library, a failed cuInit, no device: all one answer
         raise DeviceError(f"moegen: a layer runs on an NVIDIA GPU, and this machine offers none "
                           f"({type(exc).__name__}: {exc})") from exc
 
